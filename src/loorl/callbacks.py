@@ -1,0 +1,135 @@
+"""End-of-run outputs: the learning-curve plot, the markdown summary and the HF export."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.utilities import rank_zero_only
+
+PLOTTED = ("rollout/reward", "val/accuracy")
+
+
+def _mean(values: list[float]) -> float:
+    values = [v for v in values if not math.isnan(v)]
+    return sum(values) / len(values) if values else float("nan")
+
+
+class RunSummary(L.Callback):
+    """Collects per-step metrics and, at the end of `fit`, writes `summary.md`, `metrics.json` and
+    `learning_curve.png` into `output_dir` and prints the summary.
+
+    Step 0 is the policy before any update (the pre-training validation); the rollout of RL step s
+    is sampled from the policy after s updates, the validation after epoch s from the one after s+1.
+    """
+
+    def __init__(self, output_dir: str, title: str = "loorl run") -> None:
+        self.output_dir = Path(output_dir)
+        self.title = title
+        self.history: dict[str, list[tuple[int, float]]] = {}
+        self.started = time.perf_counter()
+        self.summary_text = ""
+
+    def _record(self, key: str, step: int, value) -> None:
+        self.history.setdefault(key, []).append((step, float(value)))
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking or "val/accuracy" not in trainer.callback_metrics:
+            return
+        step = trainer.current_epoch + 1 if trainer.state.fn == "fit" else trainer.global_step
+        self._record("val/accuracy", step, trainer.callback_metrics["val/accuracy"])
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        for key, value in trainer.callback_metrics.items():
+            if key.startswith(("rollout/", "perf/", "train/")) and not key.endswith("_step"):
+                self._record(key.removesuffix("_epoch"), trainer.current_epoch, value)
+
+    def series(self, key: str) -> list[float]:
+        return [v for _, v in self.history.get(key, [])]
+
+    def summary(self, trainer) -> dict[str, float]:
+        acc = self.series("val/accuracy")
+        reward = self.series("rollout/reward")
+        window = max(1, min(10, len(reward) // 5))
+        out = {
+            "rl_steps": trainer.current_epoch,
+            "optimizer_steps": trainer.global_step,
+            "val_accuracy_start": acc[0] if acc else float("nan"),
+            "val_accuracy_end": acc[-1] if acc else float("nan"),
+            "reward_first": _mean(reward[:window]),
+            "reward_last": _mean(reward[-window:]),
+            "kl_last": (self.series("rollout/kl") or [float("nan")])[-1],
+            "wall_seconds": time.perf_counter() - self.started,
+            "gen_tokens_per_s": _mean(self.series("perf/gen_tokens_per_s")),
+            "train_tokens_per_s": _mean(self.series("perf/train_tokens_per_s")),
+        }
+        out["val_accuracy_gain"] = out["val_accuracy_end"] - out["val_accuracy_start"]
+        return out
+
+    def markdown(self, s: dict[str, float]) -> str:
+        def pct(x):
+            return "n/a" if math.isnan(x) else f"{100 * x:.1f}%"
+
+        def num(x, fmt=".3f"):
+            return "n/a" if math.isnan(x) else format(x, fmt)
+
+        rows = [
+            ("RL steps (optimizer steps)", f"{s['rl_steps']} ({s['optimizer_steps']})"),
+            ("held-out greedy accuracy", f"{pct(s['val_accuracy_start'])} -> {pct(s['val_accuracy_end'])}"),
+            ("reward (first -> last steps)", f"{num(s['reward_first'])} -> {num(s['reward_last'])}"),
+            ("KL to reference (last step)", num(s["kl_last"], ".4f")),
+            ("wall time", f"{s['wall_seconds']:.1f} s"),
+            ("generation tokens/s", num(s["gen_tokens_per_s"], ".0f")),
+            ("training tokens/s", num(s["train_tokens_per_s"], ".0f")),
+        ]
+        lines = [f"## {self.title}", "", "| metric | value |", "| --- | --- |"]
+        lines += [f"| {k} | {v} |" for k, v in rows]
+        return "\n".join(lines) + "\n"
+
+    def plot(self, path: Path) -> None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for key, style in zip(PLOTTED, ("-", "o-")):
+            points = self.history.get(key, [])
+            if points:
+                ax.plot([p[0] for p in points], [p[1] for p in points], style, label=key, markersize=3)
+        ax.set_xlabel("RL step (policy updates so far)")
+        ax.set_ylabel("reward / accuracy")
+        ax.set_title(self.title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+
+    @rank_zero_only
+    def on_fit_end(self, trainer, pl_module) -> None:
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        s = self.summary(trainer)
+        self.summary_text = self.markdown(s)
+        (self.output_dir / "summary.md").write_text(self.summary_text)
+        (self.output_dir / "metrics.json").write_text(
+            json.dumps({"summary": s, "history": self.history}, indent=1, default=float)
+        )
+        self.plot(self.output_dir / "learning_curve.png")
+        print("\n" + self.summary_text + f"\nwritten to {self.output_dir}/ (summary.md, learning_curve.png)")
+
+
+class HFExport(L.Callback):
+    """Saves the trained policy and its tokenizer with `save_pretrained` at the end of `fit`."""
+
+    def __init__(self, output_dir: str, tokenizer) -> None:
+        self.output_dir = Path(output_dir)
+        self.tokenizer = tokenizer
+
+    @rank_zero_only
+    def on_fit_end(self, trainer, pl_module) -> None:
+        pl_module.policy.save_pretrained(self.output_dir)
+        self.tokenizer.save_pretrained(self.output_dir)

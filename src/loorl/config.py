@@ -1,0 +1,100 @@
+"""Checks on the composed config: every bad setting fails here, in one line, before any model loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from loorl import estimators
+from loorl.errors import ConfigError
+from loorl.losses import AGGREGATIONS, KL_ESTIMATORS
+from loorl.models import DTYPES, check_model_reachable
+from loorl.rollout.datamodule import TRUNCATED_MODES
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+ENGINES = ("hf",)  # vllm and auto arrive with the vLLM engine (issue 3)
+RATIO_LEVELS = ("token", "sequence")
+
+
+def check_group_choices(overrides: list[str], conf_dir: Path = CONF_DIR) -> None:
+    """`estimator=foo` on the command line: name the group's real options in one line.
+
+    Hydra would report it too, but over several lines and after a stack of its own.
+    """
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    for ov in OverridesParser.create().parse_overrides(overrides):
+        group = ov.key_or_group
+        folder = conf_dir / group
+        if not folder.is_dir() or ov.is_delete():
+            continue
+        values = list(ov.sweep_string_iterator()) if ov.is_sweep_override() else ov.value()
+        values = values if isinstance(values, list) else [values]
+        options = sorted(p.stem for p in folder.glob("*.yaml"))
+        for value in values:
+            if str(value) not in options and value is not None:
+                raise ConfigError(
+                    f"unknown {group} '{value}' ({group}={value}); choose one of: {', '.join(options)}"
+                )
+
+
+def _positive(cfg: DictConfig, *keys: str) -> None:
+    for key in keys:
+        value = OmegaConf.select(cfg, key)
+        if not isinstance(value, int | float) or value <= 0:
+            raise ConfigError(f"{key}={value} must be a positive number")
+
+
+def _one_of(key: str, value, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not one of: {', '.join(map(str, choices))}")
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Raise ConfigError naming the setting and the fix for the first bad setting found."""
+    est = cfg.estimator.name
+    if est not in estimators.names():
+        raise ConfigError(
+            f"unknown estimator '{est}' (estimator.name); choose one of: {', '.join(estimators.names())}"
+        )
+    _positive(cfg, "rl.steps", "rl.prompts_per_step", "rl.samples_per_prompt", "rl.prompts_per_minibatch")
+    _positive(cfg, "rl.prompts_per_microbatch", "rl.epochs_per_rollout", "val_every")
+    k, k_min = cfg.rl.samples_per_prompt, estimators.min_group_size(est)
+    if k < k_min:
+        raise ConfigError(
+            f"rl.samples_per_prompt={k} is too small for estimator={est}: its baseline needs K >= {k_min} "
+            f"samples per prompt; set rl.samples_per_prompt={k_min} or more"
+        )
+    if cfg.rl.prompts_per_step % cfg.rl.prompts_per_minibatch:
+        raise ConfigError(
+            f"rl.prompts_per_step={cfg.rl.prompts_per_step} is not divisible by rl.prompts_per_minibatch="
+            f"{cfg.rl.prompts_per_minibatch}: mini-batches hold whole groups, pick a divisor"
+        )
+    r = cfg.rollout
+    _one_of("rollout.engine", r.engine, ENGINES)
+    _positive(cfg, "rollout.max_new_tokens", "rollout.temperature", "rollout.max_prompt_length")
+    if not 0 < r.top_p <= 1:
+        raise ConfigError(f"rollout.top_p={r.top_p} must be in (0, 1]")
+    if r.top_k < 0:
+        raise ConfigError(f"rollout.top_k={r.top_k} must be >= 0 (0 turns it off)")
+    _one_of("rollout.truncated", r.truncated, TRUNCATED_MODES)
+    _one_of("loss.agg", cfg.loss.agg, AGGREGATIONS)
+    _one_of("loss.ratio_level", cfg.loss.ratio_level, RATIO_LEVELS)
+    if cfg.loss.clip_low < 0 or cfg.loss.clip_high < 0:
+        raise ConfigError("loss.clip_low and loss.clip_high must be >= 0")
+    _one_of("kl.estimator", cfg.kl.estimator, KL_ESTIMATORS)
+    if cfg.kl.coef < 0:
+        raise ConfigError(
+            f"kl.coef={cfg.kl.coef} must be >= 0 (0 turns the KL term and the reference model off)"
+        )
+    _one_of("model.dtype", cfg.model.dtype, tuple(DTYPES))
+    _one_of("model.ref_dtype", cfg.model.ref_dtype, tuple(DTYPES))
+    strategy = cfg.trainer.strategy
+    if strategy != "auto":
+        name = strategy.get("_target_", strategy) if isinstance(strategy, DictConfig) else strategy
+        raise ConfigError(
+            f"trainer.strategy={name} composes but multi-process training is not implemented yet "
+            "(roadmap: scale-out); use strategy=auto"
+        )
+    check_model_reachable(cfg.model)

@@ -1,0 +1,208 @@
+"""Critic-free advantage estimators over groups of K samples per prompt.
+
+Every estimator maps rewards [B, K] (one row per prompt) to advantages [B, K] in float32.
+A NaN reward marks an unscorable sample (its reward function failed): it is left out of every
+baseline and statistic and gets advantage exactly 0, so one broken sample neither trains the
+policy nor shifts its siblings' baselines. A group with too few scorable samples for its
+baseline (fewer than 2, for every estimator with a group baseline) gets 0 everywhere.
+The output never holds NaN or inf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+Estimator = Callable[..., torch.Tensor]
+
+_REGISTRY: dict[str, tuple[Estimator, int]] = {}
+
+
+# ---- registry ----------------------------------------------------------------------------------
+def register(name: str, *, min_group_size: int = 1) -> Callable[[Estimator], Estimator]:
+    """Register `fn(rewards [B, K], *, whiten=False, eps=1e-6) -> [B, K]` under `name`.
+
+    `min_group_size` is the K below which the estimator is meaningless (RLOO needs a sibling).
+    """
+
+    def decorator(fn: Estimator) -> Estimator:
+        if name in _REGISTRY:
+            raise ValueError(f"estimator '{name}' is already registered")
+        _REGISTRY[name] = (fn, min_group_size)
+        return fn
+
+    return decorator
+
+
+def get(name: str) -> Estimator:
+    if name not in _REGISTRY:
+        raise KeyError(f"unknown estimator '{name}'; choose one of: {', '.join(names())}")
+    return _REGISTRY[name][0]
+
+
+def names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def min_group_size(name: str) -> int:
+    get(name)  # the same error for an unknown name
+    return _REGISTRY[name][1]
+
+
+def compute_advantages(
+    name: str, rewards: torch.Tensor, *, whiten: bool = False, eps: float = 1e-6
+) -> torch.Tensor:
+    """Advantages [B, K] of rewards [B, K] under the estimator called `name`."""
+    return get(name)(rewards, whiten=whiten, eps=eps)
+
+
+# ---- masked statistics -------------------------------------------------------------------------
+def _sum(x: torch.Tensor, dim: int | None, keepdim: bool) -> torch.Tensor:
+    if dim is None:
+        total = x.sum()  # []
+        return total.reshape([1] * x.dim()) if keepdim else total
+    return x.sum(dim=dim, keepdim=keepdim)
+
+
+def masked_mean(
+    x: torch.Tensor, mask: torch.Tensor, dim: int | None = None, *, keepdim: bool = False
+) -> torch.Tensor:
+    """Mean of x over the entries where mask is true; 0 where there are none.
+
+    Entries outside the mask may hold NaN: they are replaced before summing, never multiplied.
+    """
+    mask = mask.bool()  # like x
+    count = _sum(mask.to(x.dtype), dim, keepdim)  # reduced shape
+    total = _sum(torch.where(mask, x, 0.0), dim, keepdim)  # reduced shape
+    return total / count.clamp(min=1)  # reduced shape
+
+
+def masked_std(
+    x: torch.Tensor,
+    mask: torch.Tensor,
+    dim: int | None = None,
+    *,
+    keepdim: bool = False,
+    unbiased: bool = True,
+) -> torch.Tensor:
+    """Standard deviation over the masked entries (Bessel-corrected like torch.std by default).
+
+    0 where fewer than 2 (unbiased) or 1 (biased) entries are masked in, instead of NaN.
+    """
+    mask = mask.bool()  # like x
+    count = _sum(mask.to(x.dtype), dim, True)  # dims kept
+    mean = masked_mean(x, mask, dim, keepdim=True)  # dims kept
+    dev = torch.where(mask, x - mean, 0.0)  # like x
+    denom = count - 1 if unbiased else count  # dims kept
+    var = _sum(dev * dev, dim, True) / denom.clamp(min=1)  # dims kept
+    std = torch.where(denom > 0, var.sqrt(), 0.0)  # dims kept
+    if not keepdim:
+        std = std.reshape(()) if dim is None else std.squeeze(dim)  # reduced shape
+    return std
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, *, eps: float = 1e-6) -> torch.Tensor:
+    """(x - mean) / (std + eps) over all masked entries of x; 0 outside the mask."""
+    mask = mask.bool()  # like x
+    mean = masked_mean(x, mask)  # []
+    std = masked_std(x, mask)  # []
+    return torch.where(mask, (x - mean) / (std + eps), 0.0)  # like x
+
+
+# ---- shared plumbing ---------------------------------------------------------------------------
+def _prepare(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 rewards with unscorable entries zeroed, and the scorable mask. Both [B, K]."""
+    if rewards.dim() != 2:
+        raise ValueError(f"rewards must be [B, K] (one row per prompt), got shape {tuple(rewards.shape)}")
+    r = rewards.detach().to(torch.float32)  # [B, K]
+    valid = torch.isfinite(r)  # [B, K]; inf is as unscorable as NaN
+    return torch.where(valid, r, 0.0), valid  # [B, K], [B, K]
+
+
+def _with_siblings(valid: torch.Tensor) -> torch.Tensor:
+    """Scorable samples [B, K] whose group has at least 2 scorable ones, i.e. has a group baseline.
+
+    A lone sample minus its own mean is 0 anyway; this keeps it exactly 0 through whitening.
+    """
+    return valid & (valid.sum(dim=-1, keepdim=True) >= 2)  # [B, K]
+
+
+def _finish(
+    adv: torch.Tensor, valid: torch.Tensor, *, whiten: bool, eps: float, keep: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Optional whitening over the scorable samples, then exact zeros outside `keep` (default: the
+    scorable samples; estimators pass a narrower one to zero groups too small for their baseline),
+    and no NaN/inf anywhere."""
+    if whiten:
+        adv = masked_whiten(adv, valid, eps=eps)  # [B, K]
+    adv = torch.where(valid if keep is None else keep, adv, 0.0)  # [B, K]
+    return torch.nan_to_num(adv, nan=0.0, posinf=0.0, neginf=0.0)  # [B, K]
+
+
+# ---- estimators --------------------------------------------------------------------------------
+@register("reinforce")
+def reinforce(rewards: torch.Tensor, *, whiten: bool = False, eps: float = 1e-6) -> torch.Tensor:
+    """A = r: no baseline, the highest-variance estimator; a reference point for the others."""
+    r, valid = _prepare(rewards)  # [B, K], [B, K]
+    return _finish(r, valid, whiten=whiten, eps=eps)
+
+
+@register("rloo", min_group_size=2)
+def rloo(rewards: torch.Tensor, *, whiten: bool = False, eps: float = 1e-6) -> torch.Tensor:
+    """REINFORCE leave-one-out: A_i = r_i - mean of the other scorable samples of the group.
+
+    The baseline excludes the sample itself, so it is independent of it and the estimate stays
+    unbiased. A sample with no scorable sibling has no baseline and gets 0.
+    """
+    r, valid = _prepare(rewards)  # [B, K], [B, K]
+    n = valid.sum(dim=-1, keepdim=True).to(r.dtype)  # [B, 1]
+    total = r.sum(dim=-1, keepdim=True)  # [B, 1]
+    baseline = (total - r) / (n - 1).clamp(min=1)  # [B, K]
+    keep = _with_siblings(valid)  # [B, K]
+    adv = torch.where(keep, r - baseline, 0.0)  # [B, K]
+    return _finish(adv, valid, whiten=whiten, eps=eps, keep=keep)
+
+
+@register("grpo", min_group_size=2)
+def grpo(rewards: torch.Tensor, *, whiten: bool = False, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO: (r - group mean) / (group std + eps), unbiased std over the scorable samples.
+
+    The std division rescales every prompt to unit spread (biased towards easy/hard prompts,
+    which Dr. GRPO drops); a group with fewer than 2 scorable samples has no std and gets 0.
+    """
+    r, valid = _prepare(rewards)  # [B, K], [B, K]
+    mean = masked_mean(r, valid, -1, keepdim=True)  # [B, 1]
+    std = masked_std(r, valid, -1, keepdim=True)  # [B, 1]
+    keep = _with_siblings(valid)  # [B, K]
+    adv = torch.where(keep, (r - mean) / (std + eps), 0.0)  # [B, K]
+    return _finish(adv, valid, whiten=whiten, eps=eps, keep=keep)
+
+
+@register("dr_grpo")
+def dr_grpo(rewards: torch.Tensor, *, whiten: bool = False, eps: float = 1e-6) -> torch.Tensor:
+    """Dr. GRPO: r - group mean, without GRPO's per-group std division. K=1 gives 0."""
+    r, valid = _prepare(rewards)  # [B, K], [B, K]
+    mean = masked_mean(r, valid, -1, keepdim=True)  # [B, 1]
+    return _finish(r - mean, valid, whiten=whiten, eps=eps, keep=_with_siblings(valid))
+
+
+@register("reinforce_pp")
+def reinforce_pp(rewards: torch.Tensor, *, whiten: bool = False, eps: float = 1e-6) -> torch.Tensor:
+    """REINFORCE++: rewards whitened over the whole batch (a global, not per-prompt, baseline)."""
+    r, valid = _prepare(rewards)  # [B, K], [B, K]
+    adv = masked_whiten(r, valid, eps=eps)  # [B, K]
+    return _finish(adv, valid, whiten=whiten, eps=eps)
+
+
+@register("reinforce_pp_baseline")
+def reinforce_pp_baseline(rewards: torch.Tensor, *, whiten: bool = False, eps: float = 1e-6) -> torch.Tensor:
+    """REINFORCE++ with baseline: subtract the group mean, then whiten over the whole batch.
+
+    The group mean removes per-prompt difficulty; the global whitening keeps the scale stable
+    without GRPO's per-group std.
+    """
+    r, valid = _prepare(rewards)  # [B, K], [B, K]
+    centred = r - masked_mean(r, valid, -1, keepdim=True)  # [B, K]
+    adv = masked_whiten(centred, valid, eps=eps)  # [B, K]
+    return _finish(adv, valid, whiten=whiten, eps=eps, keep=_with_siblings(valid))

@@ -1,0 +1,238 @@
+"""Building and loading the policy, the reference model and the tokenizer.
+
+Two kinds of model config (`conf/model/*.yaml`):
+- `name_or_path` set: a Hugging Face model, a local directory or a hub id (`model=qwen7b`).
+- `name_or_path: null` with a `tiny:` block: the embedded default. A small Qwen2-architecture
+  model and a character-level tokenizer are built here (no hub access needed), warm-started with
+  a short supervised stage on the task, and cached on disk under `cache_dir`, keyed by a hash of
+  everything that shapes them, so the next run loads them in a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import string
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from loorl.errors import ConfigError
+from loorl.tasks.base import Task
+
+log = logging.getLogger(__name__)
+
+PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ConfigError(f"model.dtype={name!r} is not one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def build_char_tokenizer():
+    """A character-level fast tokenizer over printable ASCII.
+
+    A BPE model with single-character vocabulary and no merges splits text into characters; the
+    Fuse decoder joins them back without spaces. It saves and reloads like any HF tokenizer.
+    """
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = sorted(set(string.printable))
+    vocab = {tok: i for i, tok in enumerate([PAD, EOS, UNK, *chars])}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    core.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token=PAD, eos_token=EOS, unk_token=UNK, padding_side="left"
+    )
+
+
+def tiny_cache_key(tiny_cfg: DictConfig, task_cfg: DictConfig) -> str:
+    blob = json.dumps(
+        {"tiny": OmegaConf.to_container(tiny_cfg, resolve=True), "task": OmegaConf.to_container(task_cfg)},
+        sort_keys=True,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def tiny_model_dir(model_cfg: DictConfig, task_cfg: DictConfig) -> Path:
+    return Path(os.path.expanduser(model_cfg.cache_dir)) / f"tiny-{tiny_cache_key(model_cfg.tiny, task_cfg)}"
+
+
+def _tiny_policy(tiny_cfg: DictConfig, tokenizer):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=tiny_cfg.hidden_size,
+        intermediate_size=tiny_cfg.intermediate_size,
+        num_hidden_layers=tiny_cfg.num_layers,
+        num_attention_heads=tiny_cfg.num_heads,
+        num_key_value_heads=tiny_cfg.num_kv_heads,
+        max_position_embeddings=tiny_cfg.max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+    )
+    return Qwen2ForCausalLM(config)
+
+
+def warm_start(policy, tokenizer, task: Task, *, steps: int, batch_size: int, lr: float, seed: int) -> float:
+    """Supervised fine-tuning on the task's (prompt, answer) pairs; loss on the answer and EOS only.
+
+    Returns the last step's loss. Written by hand because it is 20 lines of plain PyTorch that run
+    once before Lightning starts; a Trainer would add nothing here.
+    """
+    torch.manual_seed(seed)
+    rng = np.random.default_rng(seed)
+    opt = torch.optim.AdamW(policy.parameters(), lr=lr)
+    policy.train()
+    loss = torch.tensor(float("nan"))
+    for _ in tqdm(range(steps), desc="tiny model warm start (SFT)", leave=False):
+        pairs = task.sft_examples(batch_size, rng=rng)
+        seqs, masks = [], []
+        for prompt, answer in pairs:
+            p = tokenizer(prompt, add_special_tokens=False).input_ids
+            a = tokenizer(answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+            seqs.append(p + a)
+            masks.append([0] * len(p) + [1] * len(a))
+        width = max(map(len, seqs))
+        ids = torch.full((len(seqs), width), tokenizer.pad_token_id)  # [B, L] right-padded
+        target_mask = torch.zeros(len(seqs), width)  # [B, L]
+        for i, (s, m) in enumerate(zip(seqs, masks)):
+            ids[i, : len(s)] = torch.tensor(s)
+            target_mask[i, : len(m)] = torch.tensor(m, dtype=torch.float)
+        logits = policy(input_ids=ids).logits[:, :-1]  # [B, L-1, V]
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+        ).view_as(target_mask[:, 1:])  # [B, L-1]
+        loss = (nll * target_mask[:, 1:]).sum() / target_mask[:, 1:].sum()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    policy.eval()
+    return float(loss)
+
+
+def ensure_tiny_model(model_cfg: DictConfig, task_cfg: DictConfig, task: Task) -> Path:
+    """Return the cached tiny model directory, building and warm-starting it first if missing.
+
+    The directory is written under a temporary name and renamed into place, so an interrupted
+    build never leaves a half-written model that a later run would load.
+    """
+    target = tiny_model_dir(model_cfg, task_cfg)
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    log.info("building the tiny model into %s (cached for later runs)", target)
+    tokenizer = build_char_tokenizer()
+    policy = _tiny_policy(model_cfg.tiny, tokenizer)
+    ws = model_cfg.tiny.warm_start
+    loss = warm_start(
+        policy, tokenizer, task, steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr, seed=ws.seed
+    )
+    log.info("tiny model warm start: %d steps, final loss %.4f", ws.steps, loss)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    policy.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    try:
+        tmp.rename(target)
+    except OSError:  # another process won the race: keep its copy
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def looks_like_local_path(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~")) or os.path.isdir(os.path.expanduser(name))
+
+
+def check_model_reachable(model_cfg: DictConfig) -> None:
+    """Fail with one line if a configured model cannot be found, before any weights load.
+
+    Only the model's config.json is read (from disk, the HF cache or the hub).
+    """
+    name = model_cfg.name_or_path
+    if name is None:
+        if model_cfg.get("tiny") is None:
+            raise ConfigError("model.name_or_path is null and there is no model.tiny block: set one of them")
+        return
+    if looks_like_local_path(name):
+        path = Path(os.path.expanduser(name))
+        if not (path / "config.json").exists():
+            raise ConfigError(
+                f"model.name_or_path={name} is not a model directory (no config.json there): "
+                "point it at a directory written by save_pretrained"
+            )
+        return
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return
+    reason = _hub_unreachable_reason()
+    if reason is None:
+        from transformers import AutoConfig
+
+        try:
+            AutoConfig.from_pretrained(name)
+            return
+        except Exception as err:  # noqa: BLE001 - any failure means the same to the user
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+    raise ConfigError(
+        f"model.name_or_path={name} cannot be reached (not a local directory, not in the Hugging Face cache, "
+        f"{reason}): download it with `hf download {name}` where there is internet, "
+        "or set model.name_or_path=/path/to/local/copy"
+    )
+
+
+def _hub_unreachable_reason() -> str | None:
+    """A fast check that the hub answers at all (transformers retries for ~25 s when offline)."""
+    import socket
+    from urllib.parse import urlparse
+
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return "HF_HUB_OFFLINE is set"
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=3).close()
+    except OSError as err:
+        return f"hub unreachable: {err}"
+    return None
+
+
+def resolve_model_path(model_cfg: DictConfig, task_cfg: DictConfig, task: Task) -> str:
+    if model_cfg.name_or_path is not None:
+        return os.path.expanduser(model_cfg.name_or_path)
+    return str(ensure_tiny_model(model_cfg, task_cfg, task))
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(path)
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_causal_lm(path: str, *, dtype: str, attn_implementation: str | None = None, trainable: bool = True):
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": torch_dtype(dtype)}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    if not trainable:
+        model.eval().requires_grad_(False)
+    return model

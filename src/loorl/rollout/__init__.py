@@ -1,0 +1,1 @@
+"""Rollouts: engines that sample completions, batch assembly, and the per-epoch DataModule."""

@@ -1,0 +1,178 @@
+"""The rollout DataModule: one Lightning epoch = one RL iteration.
+
+`train_dataloader()` is rebuilt every epoch (`reload_dataloaders_every_n_epochs=1`). Each time it
+syncs the engine with the live policy, draws the step's prompts, samples K completions per
+prompt, scores them, optionally folds the KL to the reference into the reward, computes the
+advantages over whole groups and yields mini-batches of whole groups.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import lightning as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from loorl import estimators
+from loorl.errors import ConfigError
+from loorl.losses import kl_per_token
+from loorl.rewards import score_groups
+from loorl.rollout.batch import RolloutBatch, assemble
+from loorl.rollout.engine import RolloutEngine
+from loorl.scoring import completion_logprobs
+from loorl.tasks.base import Prompt, Task
+
+log = logging.getLogger(__name__)
+
+TRUNCATED_MODES = ("score", "zero", "mask")
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    prompts_per_step: int  # B
+    samples_per_prompt: int  # K
+    prompts_per_minibatch: int  # whole groups per optimizer step
+    epochs_per_rollout: int = 1  # passes over each rollout batch
+    estimator: str = "rloo"
+    whiten: bool = False
+    truncated: str = "score"  # completions cut by the length limit: score | zero | mask
+    max_prompt_length: int = 512
+    eval_batch_size: int = 256
+    seed: int = 0
+
+    @property
+    def steps_per_rollout(self) -> int:
+        return self.epochs_per_rollout * self.prompts_per_step // self.prompts_per_minibatch
+
+
+class RolloutDataModule(L.LightningDataModule):
+    def __init__(self, *, task: Task, tokenizer, engine: RolloutEngine, settings: RolloutSettings) -> None:
+        super().__init__()
+        self.task, self.tokenizer, self.engine, self.settings = task, tokenizer, engine, settings
+        self.last_rollout: RolloutBatch | None = None
+        self.last_stats: dict[str, float] = {}
+
+    # ---- prompts -------------------------------------------------------------------------------
+    def encode_prompts(self, prompts: list[Prompt]) -> list[list[int]]:
+        ids = [self.tokenizer(p.text, add_special_tokens=False).input_ids for p in prompts]
+        longest = max(map(len, ids))
+        if longest > self.settings.max_prompt_length:
+            raise ConfigError(
+                f"a prompt has {longest} tokens, more than rollout.max_prompt_length="
+                f"{self.settings.max_prompt_length}: raise the limit or shorten the task's prompts"
+            )
+        return ids
+
+    def prompts_for_step(self, step: int) -> list[Prompt]:
+        """The step's prompts, a pure function of (seed, step): a resumed run draws the same ones."""
+        rng = np.random.default_rng([self.settings.seed, step])
+        return self.task.train_prompts(self.settings.prompts_per_step, rng=rng)
+
+    def setup(self, stage: str) -> None:
+        self.eval_prompts = self.task.eval_prompts()
+        self.encode_prompts(self.eval_prompts)  # fail early on over-long prompts
+
+    # ---- one RL iteration ----------------------------------------------------------------------
+    @torch.no_grad()
+    def rollout(self, module, step: int) -> RolloutBatch:
+        s = self.settings
+        self.engine.sync(module.policy)
+        prompts = self.prompts_for_step(step)
+        prompt_ids = self.encode_prompts(prompts)
+
+        t0 = time.perf_counter()
+        groups = self.engine.generate(prompt_ids, n=s.samples_per_prompt)
+        gen_seconds = time.perf_counter() - t0
+        texts = [[self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in g] for g in groups]
+
+        rewards, failures = score_groups(self.task.reward, prompts, texts)  # [B, K]
+        finished = torch.tensor([[c.finished for c in g] for g in groups])  # [B, K]
+        if s.truncated == "zero":
+            rewards = torch.where(finished | rewards.isnan(), rewards, torch.zeros_like(rewards))
+        correct = torch.tensor(
+            [[self.task.is_correct(p, t) for t in g] for p, g in zip(prompts, texts)], dtype=torch.float
+        )  # [B, K]
+
+        batch = assemble(
+            prompt_ids,
+            groups,
+            pad_token_id=self.tokenizer.pad_token_id,
+            rewards=rewards,
+            advantages=torch.zeros_like(rewards),
+            loss_on_truncated=s.truncated != "mask",
+        ).to(module.device)
+        mask = batch.completion_mask  # [N, C]
+
+        shaped = batch.rewards  # [N] the reward the estimator sees
+        kl_seq = None
+        if module.reference is not None:
+            batch.ref_logprobs = completion_logprobs(module.reference, batch, temperature=module.temperature)
+            kl_tok = kl_per_token(batch.sampler_logprobs, batch.ref_logprobs, estimator=module.kl.estimator)
+            kl_seq = (kl_tok * mask).sum(-1)  # [N]
+            if module.kl.in_reward:
+                shaped = shaped - module.kl_controller.value * kl_seq
+        batch.advantages = estimators.compute_advantages(
+            s.estimator, shaped.view(-1, s.samples_per_prompt), whiten=s.whiten
+        ).reshape(-1)  # [N]
+        if s.steps_per_rollout > 1:
+            batch.old_logprobs = completion_logprobs(module.policy, batch, temperature=module.temperature)
+
+        lengths = torch.tensor([[len(c.token_ids) for c in g] for g in groups], dtype=torch.float)  # [B, K]
+        scorable = ~rewards.isnan()  # [B, K]
+        group_std = torch.stack(
+            [r[ok].std() if ok.sum() > 1 else torch.tensor(0.0) for r, ok in zip(rewards, scorable)]
+        )  # [B]
+        valid = rewards[scorable]
+        self.last_stats = {
+            "rollout/reward_mean": float(valid.mean()) if valid.numel() else float("nan"),
+            "rollout/reward_std": float(valid.std()) if valid.numel() > 1 else 0.0,
+            "rollout/accuracy": float(correct.mean()),
+            "rollout/completion_len": float(lengths.mean()),
+            "rollout/truncated_frac": float((~finished).float().mean()),
+            "rollout/zero_std_group_frac": float((group_std == 0).float().mean()),
+            "rollout/unscorable": float(failures),
+            "rollout/advantage_abs_mean": float(batch.advantages.abs().mean()),
+            "perf/gen_tokens_per_s": float(lengths.sum()) / max(gen_seconds, 1e-9),
+            "perf/gen_seconds": gen_seconds,
+        }
+        if kl_seq is not None:
+            self.last_stats["rollout/kl"] = float(kl_seq.mean())
+            self.last_stats["rollout/kl_coef"] = float(module.kl_controller.value)
+            module.kl_controller.update(
+                float(kl_seq.mean()), n_steps=s.prompts_per_step * s.samples_per_prompt
+            )
+        self.last_rollout = batch
+        return batch
+
+    def train_dataloader(self) -> DataLoader:
+        s = self.settings
+        step = self.trainer.current_epoch
+        batch = self.rollout(self.trainer.lightning_module, step)
+        # Mini-batches of whole groups: shuffled per pass with a generator seeded by (seed, step).
+        gen = torch.Generator().manual_seed(int(np.random.default_rng([s.seed, step, 1]).integers(2**62)))
+        minibatches = []
+        for _ in range(s.epochs_per_rollout):
+            order = torch.randperm(s.prompts_per_step, generator=gen).tolist()
+            minibatches += [
+                order[i : i + s.prompts_per_minibatch]
+                for i in range(0, s.prompts_per_step, s.prompts_per_minibatch)
+            ]
+        return DataLoader(
+            range(s.prompts_per_step), batch_sampler=minibatches, collate_fn=batch.select_groups
+        )
+
+    # ---- held-out evaluation -------------------------------------------------------------------
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.eval_prompts, batch_size=self.settings.eval_batch_size, collate_fn=list)
+
+    @torch.no_grad()
+    def greedy_correct(self, policy, prompts: list[Prompt]) -> torch.Tensor:
+        """1.0 where the greedy completion is correct, [len(prompts)]."""
+        self.engine.sync(policy)
+        groups = self.engine.generate(self.encode_prompts(prompts), n=1, greedy=True)
+        texts = [self.tokenizer.decode(g[0].token_ids, skip_special_tokens=True) for g in groups]
+        return torch.tensor([float(self.task.is_correct(p, t)) for p, t in zip(prompts, texts)])

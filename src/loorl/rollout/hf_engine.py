@@ -1,0 +1,80 @@
+"""`rollout=hf`: sampling with transformers' `generate` on the live policy module.
+
+It shares the policy's weights, so `sync` only points it at the module. On CPU and tiny models it
+is the fast engine (see DESIGN.md: ~23k tokens/s against vLLM-CPU's ~4.7k).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loorl.rollout.engine import Completion, RolloutEngine, SamplingConfig
+
+
+class HFEngine(RolloutEngine):
+    name = "hf"
+
+    def __init__(
+        self, sampling: SamplingConfig, *, eos_token_id: int, pad_token_id: int, batch_size: int = 512
+    ):
+        super().__init__(sampling, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+        self.batch_size = batch_size  # sequences per generate call (memory bound)
+        self.policy = None
+
+    def sync(self, policy) -> None:
+        self.policy = policy
+
+    def _generation_config(self, greedy: bool):
+        from transformers import GenerationConfig
+
+        s = self.sampling
+        return GenerationConfig(
+            do_sample=not greedy,
+            temperature=s.temperature if not greedy else None,
+            top_k=(s.top_k or None) if not greedy else None,
+            top_p=s.top_p if not greedy and s.top_p < 1.0 else None,
+            max_new_tokens=s.max_new_tokens,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+
+    @torch.no_grad()
+    def generate(
+        self, prompt_ids: list[list[int]], *, n: int, greedy: bool = False
+    ) -> list[list[Completion]]:
+        if self.policy is None:
+            raise RuntimeError("HFEngine.generate called before sync(policy)")
+        was_training = self.policy.training
+        self.policy.eval()
+        config = self._generation_config(greedy)
+        device = next(self.policy.parameters()).device
+        flat = [ids for ids in prompt_ids for _ in range(n)]  # prompt-major: rows g*n..g*n+n-1
+        out: list[Completion] = []
+        for start in range(0, len(flat), self.batch_size):
+            chunk = flat[start : start + self.batch_size]
+            width = max(map(len, chunk))
+            ids = torch.full((len(chunk), width), self.pad_token_id, dtype=torch.long)  # [b, P] left-padded
+            mask = torch.zeros(len(chunk), width, dtype=torch.long)  # [b, P]
+            for i, p in enumerate(chunk):
+                ids[i, width - len(p) :] = torch.tensor(p)
+                mask[i, width - len(p) :] = 1
+            res = self.policy.generate(
+                input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config
+            )
+            tokens = res.sequences[:, width:]  # [b, C]
+            # scores are the processed logits the sampler drew from (temperature, top-k, top-p applied)
+            # (one step at a time: stacking them would hold a [b, C, V] float32 tensor)
+            logprobs = torch.stack(
+                [
+                    step.float().gather(-1, tokens[:, t : t + 1]).squeeze(-1) - step.float().logsumexp(-1)
+                    for t, step in enumerate(res.scores)
+                ],
+                dim=1,
+            )  # [b, C]
+            for t, lp in zip(tokens.tolist(), logprobs.tolist()):
+                out.append(self.cut_at_eos(t, lp))
+        if was_training:
+            self.policy.train()
+        return [out[g * n : (g + 1) * n] for g in range(len(prompt_ids))]

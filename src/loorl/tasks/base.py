@@ -1,0 +1,45 @@
+"""What the rollout loop needs from a task: prompts, an answer checker and (for tiny models) SFT data."""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class Prompt:  # not frozen: Lightning's batch transfer refuses frozen dataclasses
+    text: str  # what the policy sees
+    answer: str  # the reference answer, used by the reward
+    meta: dict = field(default_factory=dict)  # any extra columns a reward function may want
+
+
+class Task(ABC):
+    """A prompt distribution with a reward. Subclasses are instantiated from `conf/task/*.yaml`."""
+
+    name: str = "task"
+    max_new_tokens: int = 16  # the task's natural completion length; `rollout.max_new_tokens` defaults to it
+
+    @abstractmethod
+    def train_prompts(self, n: int, *, rng: np.random.Generator) -> list[Prompt]:
+        """`n` training prompts drawn with `rng` (seeded per step, so a resumed run sees the same prompts)."""
+
+    @abstractmethod
+    def eval_prompts(self) -> list[Prompt]:
+        """The fixed held-out set for greedy accuracy."""
+
+    @abstractmethod
+    def reward(self, prompt: Prompt, completion: str) -> float | None:
+        """Reward of one completion; None means unscorable."""
+
+    def is_correct(self, prompt: Prompt, completion: str) -> bool:
+        """Task accuracy of one completion (default: the reward is positive)."""
+        r = self.reward(prompt, completion)
+        return r is not None and not math.isnan(r) and r > 0
+
+    def sft_examples(self, n: int, *, rng: np.random.Generator) -> list[tuple[str, str]]:
+        """(prompt, target completion) pairs for the tiny model's supervised warm start."""
+        prompts = self.train_prompts(n, rng=rng)
+        return [(p.text, p.answer) for p in prompts]

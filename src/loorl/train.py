@@ -1,0 +1,105 @@
+"""`train(cfg) -> metrics`: the whole run, separate from the `@hydra.main` wrapper so tests call it."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import lightning as L
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ModelCheckpoint
+from omegaconf import DictConfig, OmegaConf
+
+from loorl.callbacks import HFExport, RunSummary
+from loorl.config import check_config
+from loorl.models import load_tokenizer, resolve_model_path
+from loorl.module import KLSettings, LossSettings, PolicyGradientModule
+from loorl.rollout.datamodule import RolloutDataModule, RolloutSettings
+from loorl.rollout.factory import build_engine
+
+log = logging.getLogger("loorl")
+
+
+def build_datamodule(cfg: DictConfig, task, tokenizer) -> RolloutDataModule:
+    settings = RolloutSettings(
+        prompts_per_step=cfg.rl.prompts_per_step,
+        samples_per_prompt=cfg.rl.samples_per_prompt,
+        prompts_per_minibatch=cfg.rl.prompts_per_minibatch,
+        epochs_per_rollout=cfg.rl.epochs_per_rollout,
+        estimator=cfg.estimator.name,
+        whiten=cfg.estimator.whiten,
+        truncated=cfg.rollout.truncated,
+        max_prompt_length=cfg.rollout.max_prompt_length,
+        eval_batch_size=cfg.rollout.eval_batch_size,
+        seed=cfg.seed,
+    )
+    engine = build_engine(cfg.rollout, tokenizer)
+    log.info("rollout engine: %s", engine.name)
+    return RolloutDataModule(task=task, tokenizer=tokenizer, engine=engine, settings=settings)
+
+
+def build_module(cfg: DictConfig, model_path: str) -> PolicyGradientModule:
+    return PolicyGradientModule(
+        model_path=model_path,
+        dtype=cfg.model.dtype,
+        ref_dtype=cfg.model.ref_dtype,
+        attn_implementation=cfg.model.attn_implementation,
+        gradient_checkpointing=cfg.model.gradient_checkpointing,
+        optimizer=instantiate(cfg.optimizer),
+        temperature=cfg.rollout.temperature,
+        loss=LossSettings(
+            agg=cfg.loss.agg,
+            clip_low=cfg.loss.clip_low,
+            clip_high=cfg.loss.clip_high,
+            ratio_level=cfg.loss.ratio_level,
+            max_grad_norm=cfg.loss.max_grad_norm,
+            prompts_per_microbatch=cfg.rl.prompts_per_microbatch,
+            max_len=cfg.rollout.max_new_tokens,
+        ),
+        kl=KLSettings(**OmegaConf.to_container(cfg.kl, resolve=True)),
+    )
+
+
+def train(cfg: DictConfig) -> dict[str, float]:
+    """Check the config, build everything, validate once (step 0), train, write the outputs."""
+    check_config(cfg)
+    output_dir = Path(cfg.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
+    L.seed_everything(cfg.seed, workers=True)
+
+    task = instantiate(cfg.task)
+    model_path = resolve_model_path(cfg.model, cfg.task, task)
+    tokenizer = load_tokenizer(model_path)
+    datamodule = build_datamodule(cfg, task, tokenizer)
+    module = build_module(cfg, model_path)
+
+    summary = RunSummary(str(output_dir), title=f"{cfg.estimator.name} on {cfg.task.name} ({cfg.model.name})")
+    callbacks = [summary]
+    if cfg.checkpoint_every:
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=output_dir / "checkpoints", every_n_epochs=cfg.checkpoint_every, save_last=True
+            )
+        )
+    if cfg.export_policy:
+        callbacks.append(HFExport(str(output_dir / "policy"), tokenizer))
+    loggers = [instantiate(c) for c in (cfg.logger or {}).values()]
+    trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks)
+
+    trainer.validate(module, datamodule=datamodule, verbose=False)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume_from)
+    return summary.summary(trainer)
+
+
+def main(cfg: DictConfig) -> dict[str, float]:
+    """The CLI: a bad setting prints one `error:` line and exits 2."""
+    from loorl.errors import ConfigError
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        return train(cfg)
+    except ConfigError as err:
+        print(f"error: {err}")
+        raise SystemExit(2) from None

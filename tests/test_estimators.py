@@ -1,0 +1,246 @@
+"""Advantage estimators: hand-computed values, NaN handling, and a slow loop reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from loorl import estimators
+from loorl.estimators import compute_advantages, masked_mean, masked_std
+
+NAN = float("nan")
+ALL = ["dr_grpo", "grpo", "reinforce", "reinforce_pp", "reinforce_pp_baseline", "rloo"]
+SEED = torch.tensor([[10.0, 5.0, 8.0, 2.0]])  # [1, 4]
+
+
+def adv(name, rows, **kw):
+    return compute_advantages(name, torch.tensor(rows, dtype=torch.float32), **kw)
+
+
+# ---- hand-computed values ----------------------------------------------------------------------
+def test_rloo_seed_example():
+    # A_1 = 10 - (5+8+2)/3 = 5; A_2 = 5 - 20/3; A_3 = 8 - 17/3; A_4 = 2 - 23/3
+    a = compute_advantages("rloo", SEED)  # [1, 4]
+    torch.testing.assert_close(a, torch.tensor([[5.0, -5 / 3, 7 / 3, -17 / 3]]))
+
+
+def test_rloo_is_rescaled_mean_baseline_without_nan():
+    r = torch.randn(5, 7, generator=torch.Generator().manual_seed(0))  # [5, 7]
+    expected = 7 / 6 * (r - r.mean(dim=1, keepdim=True))  # [5, 7]
+    torch.testing.assert_close(compute_advantages("rloo", r), expected)
+
+
+def test_grpo_seed_example():
+    # mean 6.25, deviations [3.75, -1.25, 1.75, -4.25]; squares sum to 36.75;
+    # unbiased var = 36.75 / 3 = 12.25, std = 3.5.
+    a = compute_advantages("grpo", SEED, eps=0.0)  # [1, 4]
+    torch.testing.assert_close(a, torch.tensor([[3.75, -1.25, 1.75, -4.25]]) / 3.5)
+    torch.testing.assert_close(a[0, 2], torch.tensor(0.5))
+    # eps enters the denominator
+    torch.testing.assert_close(
+        compute_advantages("grpo", SEED, eps=0.5), torch.tensor([[3.75, -1.25, 1.75, -4.25]]) / 4.0
+    )
+
+
+def test_dr_grpo_and_reinforce_seed_example():
+    torch.testing.assert_close(
+        compute_advantages("dr_grpo", SEED), torch.tensor([[3.75, -1.25, 1.75, -4.25]])
+    )
+    torch.testing.assert_close(compute_advantages("reinforce", SEED), SEED)
+
+
+def test_reinforce_pp_whitens_over_whole_batch():
+    # scorable {1, 2, 3}: mean 2, unbiased std 1
+    torch.testing.assert_close(
+        adv("reinforce_pp", [[1, 2], [3, NAN]], eps=0.0), torch.tensor([[-1.0, 0.0], [1.0, 0.0]])
+    )
+
+
+def test_reinforce_pp_baseline_centres_groups_then_whitens_batch():
+    # group means 2 and 5 -> centred {-1, 1, 0}: mean 0, unbiased std 1
+    a = adv("reinforce_pp_baseline", [[1, 3], [5, NAN]], eps=0.0)
+    torch.testing.assert_close(a, torch.tensor([[-1.0, 1.0], [0.0, 0.0]]))
+
+
+def test_nan_cases_by_hand():
+    row = [[1, NAN, 0, 1]]
+    # rloo: 1 - (0+1)/2 = 0.5; 0 - (1+1)/2 = -1
+    torch.testing.assert_close(adv("rloo", row), torch.tensor([[0.5, 0.0, -1.0, 0.5]]))
+    # mean 2/3, deviations [1/3, -2/3, 1/3], unbiased var (6/9)/2 = 1/3
+    std = math.sqrt(1 / 3)
+    torch.testing.assert_close(
+        adv("grpo", row, eps=0.0), torch.tensor([[1 / 3 / std, 0.0, -2 / 3 / std, 1 / 3 / std]])
+    )
+    torch.testing.assert_close(adv("dr_grpo", row), torch.tensor([[1 / 3, 0.0, -2 / 3, 1 / 3]]))
+    torch.testing.assert_close(adv("reinforce", row), torch.tensor([[1.0, 0.0, 0.0, 1.0]]))
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("whiten", [False, True])
+def test_unscorable_groups_get_zeros(name, whiten):
+    rows = [[NAN, NAN, NAN], [NAN, 3.0, NAN], [1.0, 2.0, 4.0]]
+    a = adv(name, rows, whiten=whiten)  # [3, 3]
+    assert torch.isfinite(a).all()
+    assert (a[0] == 0).all()  # all-NaN group
+    assert (a[1, [0, 2]] == 0).all()  # unscorable samples are exactly 0
+    if name not in ("reinforce", "reinforce_pp"):  # those have no group baseline
+        assert a[1, 1] == 0  # a group with one scorable sample has no baseline
+    assert (a[2] != 0).any()
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_all_nan_batch_and_inf_rewards(name):
+    assert (adv(name, [[NAN, NAN], [NAN, NAN]], whiten=True) == 0).all()
+    a = adv(name, [[math.inf, 1.0, 0.0], [-math.inf, 2.0, 2.0]])
+    assert torch.isfinite(a).all()
+    assert a[0, 0] == 0 and a[1, 0] == 0  # non-finite rewards count as unscorable
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_output_dtype_shape_and_input_untouched(name):
+    r = torch.tensor([[1.0, NAN, 3.0]], dtype=torch.float64)  # [1, 3]
+    before = r.clone()
+    a = compute_advantages(name, r)
+    assert a.dtype == torch.float32 and a.shape == r.shape
+    torch.testing.assert_close(r, before, equal_nan=True)
+
+
+def test_rejects_non_2d_rewards():
+    with pytest.raises(ValueError, match=r"\[B, K\]"):
+        compute_advantages("rloo", torch.ones(4))
+
+
+def test_whiten_gives_zero_mean_unit_std_over_scorable():
+    r = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))  # [4, 6]
+    r[0, 1] = r[2, 5] = NAN
+    a = compute_advantages("rloo", r, whiten=True)  # [4, 6]
+    ok = ~r.isnan()
+    assert abs(float(a[ok].mean())) < 1e-6
+    assert abs(float(a[ok].std()) - 1.0) < 1e-4
+    assert a[0, 1] == 0 and a[2, 5] == 0
+
+
+# ---- slow loop reference -----------------------------------------------------------------------
+def _mean(xs):
+    return sum(xs) / len(xs)
+
+
+def _std(xs):
+    if len(xs) < 2:
+        return 0.0
+    m = _mean(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def _whiten(values, eps):
+    """Whiten the non-None entries of a list of lists, in place."""
+    flat = [v for row in values for v in row if v is not None]
+    if not flat:
+        return
+    m, s = _mean(flat), _std(flat)
+    for row in values:
+        for k, v in enumerate(row):
+            if v is not None:
+                row[k] = (v - m) / (s + eps)
+
+
+def reference(name, rewards, *, whiten, eps):
+    """Plain-loop advantages; None marks an unscorable sample until the end (then 0)."""
+    rows = rewards.tolist()
+    out = [[None] * len(row) for row in rows]
+    too_small = [[False] * len(row) for row in rows]
+    for b, row in enumerate(rows):
+        scorable = [k for k, v in enumerate(row) if not math.isnan(v)]
+        vals = [row[k] for k in scorable]
+        for k in scorable:
+            if name in ("reinforce", "reinforce_pp"):
+                out[b][k] = row[k]
+            elif name == "rloo":
+                others = [row[j] for j in scorable if j != k]
+                out[b][k] = row[k] - _mean(others) if others else 0.0
+                too_small[b][k] = not others
+            elif name == "grpo":
+                out[b][k] = (row[k] - _mean(vals)) / (_std(vals) + eps) if len(vals) >= 2 else 0.0
+                too_small[b][k] = len(vals) < 2
+            elif name in ("dr_grpo", "reinforce_pp_baseline"):
+                out[b][k] = row[k] - _mean(vals)
+                too_small[b][k] = len(vals) < 2
+    if name in ("reinforce_pp", "reinforce_pp_baseline"):
+        _whiten(out, eps)
+    if whiten:
+        _whiten(out, eps)
+    return torch.tensor(
+        [
+            [0.0 if v is None or small else v for v, small in zip(row, smalls, strict=True)]
+            for row, smalls in zip(out, too_small, strict=True)
+        ],
+        dtype=torch.float64,
+    )
+
+
+@pytest.mark.parametrize("name", ALL)
+@pytest.mark.parametrize("whiten", [False, True])
+@pytest.mark.parametrize("seed", range(6))
+def test_matches_loop_reference(name, whiten, seed):
+    g = torch.Generator().manual_seed(seed)
+    B = int(torch.randint(1, 7, (), generator=g))
+    K = int(torch.randint(2, 9, (), generator=g))
+    if seed % 2:
+        r = torch.randint(0, 2, (B, K), generator=g).float()  # [B, K] binary, like a verifier
+    else:
+        r = torch.randn(B, K, generator=g) * 3 + 1  # [B, K]
+    r[torch.rand(B, K, generator=g) < 0.2] = NAN
+    a = compute_advantages(name, r, whiten=whiten)  # [B, K]
+    assert not a.isnan().any() and torch.isfinite(a).all()
+    assert (a[r.isnan()] == 0).all()
+    torch.testing.assert_close(a.double(), reference(name, r, whiten=whiten, eps=1e-6), rtol=1e-4, atol=1e-5)
+
+
+# ---- masked statistics -------------------------------------------------------------------------
+def test_masked_mean_and_std_match_torch_on_the_kept_entries():
+    x = torch.tensor([[1.0, NAN, 3.0, 6.0], [NAN, NAN, 2.0, NAN], [NAN] * 4])  # [3, 4]
+    mask = ~x.isnan()  # [3, 4]
+    torch.testing.assert_close(masked_mean(x, mask, -1), torch.tensor([10 / 3, 2.0, 0.0]))
+    torch.testing.assert_close(masked_std(x, mask, -1), torch.tensor([x[0, mask[0]].std(), 0.0, 0.0]))
+    torch.testing.assert_close(masked_mean(x, mask), x[mask].mean())
+    torch.testing.assert_close(masked_std(x, mask), x[mask].std())
+    torch.testing.assert_close(masked_std(x, mask, unbiased=False), x[mask].std(unbiased=False))
+    assert masked_mean(x, mask, 1, keepdim=True).shape == (3, 1)
+    assert masked_std(x, mask, keepdim=True).shape == (1, 1)
+
+
+# ---- registry ----------------------------------------------------------------------------------
+def test_registry_names_and_sizes():
+    assert estimators.names() == ALL
+    assert estimators.min_group_size("rloo") == 2
+    assert estimators.min_group_size("grpo") == 2
+    assert all(estimators.min_group_size(n) == 1 for n in ALL if n not in ("rloo", "grpo"))
+    assert estimators.get("rloo") is estimators.rloo
+
+
+def test_unknown_estimator_message():
+    with pytest.raises(KeyError) as err:
+        estimators.get("x")
+    assert err.value.args[0] == (
+        "unknown estimator 'x'; choose one of: "
+        "dr_grpo, grpo, reinforce, reinforce_pp, reinforce_pp_baseline, rloo"
+    )
+    with pytest.raises(KeyError, match="unknown estimator 'y'"):
+        compute_advantages("y", SEED)
+    with pytest.raises(KeyError):
+        estimators.min_group_size("y")
+
+
+def test_register_custom_and_duplicate(monkeypatch):
+    monkeypatch.setattr(estimators, "_REGISTRY", dict(estimators._REGISTRY))
+
+    @estimators.register("double", min_group_size=3)
+    def double(rewards, *, whiten=False, eps=1e-6):
+        return 2 * rewards
+
+    assert "double" in estimators.names() and estimators.min_group_size("double") == 3
+    torch.testing.assert_close(compute_advantages("double", SEED), 2 * SEED)
+    with pytest.raises(ValueError, match="already registered"):
+        estimators.register("rloo")(double)
