@@ -43,9 +43,12 @@ class RunSummary(L.Callback):
         self._record("val/accuracy", step, trainer.callback_metrics["val/accuracy"])
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
+        epoch_values = {}  # a metric logged on step and epoch appears as `x`, `x_step` and `x_epoch`
         for key, value in trainer.callback_metrics.items():
             if key.startswith(("rollout/", "perf/", "train/")) and not key.endswith("_step"):
-                self._record(key.removesuffix("_epoch"), trainer.current_epoch, value)
+                epoch_values[key.removesuffix("_epoch")] = value
+        for key, value in epoch_values.items():
+            self._record(key, trainer.current_epoch, value)
 
     def series(self, key: str) -> list[float]:
         return [v for _, v in self.history.get(key, [])]

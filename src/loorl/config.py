@@ -23,11 +23,17 @@ def check_group_choices(overrides: list[str], conf_dir: Path = CONF_DIR) -> None
     Hydra would report it too, but over several lines and after a stack of its own.
     """
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ValueType
+    from hydra.errors import OverrideParseException
 
-    for ov in OverridesParser.create().parse_overrides(overrides):
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except OverrideParseException:
+        return  # malformed syntax: Hydra reports it with the position of the error
+    for ov in parsed:
         group = ov.key_or_group
         folder = conf_dir / group
-        if not folder.is_dir() or ov.is_delete():
+        if not folder.is_dir() or ov.is_delete() or ov.value_type == ValueType.GLOB_CHOICE_SWEEP:
             continue
         values = list(ov.sweep_string_iterator()) if ov.is_sweep_override() else ov.value()
         values = values if isinstance(values, list) else [values]
@@ -39,11 +45,17 @@ def check_group_choices(overrides: list[str], conf_dir: Path = CONF_DIR) -> None
                 )
 
 
+def _number(cfg: DictConfig, key: str) -> float:
+    value = OmegaConf.select(cfg, key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(f"{key}={value!r} must be a number")
+    return value
+
+
 def _positive(cfg: DictConfig, *keys: str) -> None:
     for key in keys:
-        value = OmegaConf.select(cfg, key)
-        if not isinstance(value, int | float) or value <= 0:
-            raise ConfigError(f"{key}={value} must be a positive number")
+        if _number(cfg, key) <= 0:
+            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be a positive number")
 
 
 def _one_of(key: str, value, choices) -> None:
@@ -74,6 +86,8 @@ def check_config(cfg: DictConfig) -> None:
     r = cfg.rollout
     _one_of("rollout.engine", r.engine, ENGINES)
     _positive(cfg, "rollout.max_new_tokens", "rollout.temperature", "rollout.max_prompt_length")
+    for key in ("rollout.top_p", "rollout.top_k", "loss.clip_low", "loss.clip_high", "kl.coef"):
+        _number(cfg, key)
     if not 0 < r.top_p <= 1:
         raise ConfigError(f"rollout.top_p={r.top_p} must be in (0, 1]")
     if r.top_k < 0:

@@ -122,7 +122,7 @@ def warm_start(policy, tokenizer, task: Task, *, steps: int, batch_size: int, lr
         loss.backward()
         opt.step()
     policy.eval()
-    return float(loss)
+    return float(loss.detach())
 
 
 def ensure_tiny_model(model_cfg: DictConfig, task_cfg: DictConfig, task: Task) -> Path:
@@ -137,8 +137,9 @@ def ensure_tiny_model(model_cfg: DictConfig, task_cfg: DictConfig, task: Task) -
     target.parent.mkdir(parents=True, exist_ok=True)
     log.info("building the tiny model into %s (cached for later runs)", target)
     tokenizer = build_char_tokenizer()
-    policy = _tiny_policy(model_cfg.tiny, tokenizer)
     ws = model_cfg.tiny.warm_start
+    torch.manual_seed(ws.seed)  # the initial weights too: the cache key must determine the model
+    policy = _tiny_policy(model_cfg.tiny, tokenizer)
     loss = warm_start(
         policy, tokenizer, task, steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr, seed=ws.seed
     )

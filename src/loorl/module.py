@@ -153,9 +153,10 @@ class PolicyGradientModule(L.LightningModule):
             stats["clipped_sum"] = float((clipped.float() * mask).sum())
         return loss, stats
 
-    def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
-        t0 = time.perf_counter()
-        opt = self.optimizers()
+    def accumulate_gradients(self, batch: RolloutBatch, backward) -> tuple[float, dict, float]:
+        """Backward over the mini-batch in micro-batches of whole groups.
+
+        Returns (loss, stat sums, token count)."""
         mask = batch.completion_mask
         num_tokens = max(float(mask.sum()), 1.0)
         num_seqs = mask.shape[0]
@@ -164,10 +165,16 @@ class PolicyGradientModule(L.LightningModule):
         for start in range(0, batch.num_groups, per_micro):
             sub = batch.select_groups(list(range(start, min(batch.num_groups, start + per_micro))))
             loss, stats = self.microbatch_loss(sub, num_tokens=num_tokens, num_seqs=num_seqs)
-            self.manual_backward(loss)
+            backward(loss)
             total_loss += float(loss.detach())
             for k, v in stats.items():
                 sums[k] = sums.get(k, 0.0) + v
+        return total_loss, sums, num_tokens
+
+    def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
+        t0 = time.perf_counter()
+        opt = self.optimizers()
+        total_loss, sums, num_tokens = self.accumulate_gradients(batch, self.manual_backward)
         if self.loss_cfg.max_grad_norm:
             grad_norm = torch.nn.utils.clip_grad_norm_(
                 [p for p in self.policy.parameters() if p.grad is not None], self.loss_cfg.max_grad_norm

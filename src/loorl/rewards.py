@@ -41,3 +41,15 @@ def score_groups(
             "%d of %d samples could not be scored (first error: %r)", failures, rewards.numel(), first_error
         )
     return rewards, failures
+
+
+def correctness(is_correct: Callable[[Prompt, str], bool], prompts: Sequence[Prompt], texts) -> torch.Tensor:
+    """1.0 where `is_correct` holds, [B, K]; a checker that raises counts as not correct."""
+
+    def safe(prompt: Prompt, text: str) -> float:
+        try:
+            return float(bool(is_correct(prompt, text)))
+        except Exception:  # noqa: BLE001 - the reward path has already counted the failure
+            return 0.0
+
+    return torch.tensor([[safe(p, t) for t in group] for p, group in zip(prompts, texts)])

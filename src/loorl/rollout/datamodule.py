@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from loorl import estimators
 from loorl.errors import ConfigError
 from loorl.losses import kl_per_token
-from loorl.rewards import score_groups
+from loorl.rewards import correctness, score_groups
 from loorl.rollout.batch import RolloutBatch, assemble
 from loorl.rollout.engine import RolloutEngine
 from loorl.scoring import completion_logprobs
@@ -93,9 +93,7 @@ class RolloutDataModule(L.LightningDataModule):
         finished = torch.tensor([[c.finished for c in g] for g in groups])  # [B, K]
         if s.truncated == "zero":
             rewards = torch.where(finished | rewards.isnan(), rewards, torch.zeros_like(rewards))
-        correct = torch.tensor(
-            [[self.task.is_correct(p, t) for t in g] for p, g in zip(prompts, texts)], dtype=torch.float
-        )  # [B, K]
+        correct = correctness(self.task.is_correct, prompts, texts)  # [B, K]
 
         batch = assemble(
             prompt_ids,
@@ -175,4 +173,4 @@ class RolloutDataModule(L.LightningDataModule):
         self.engine.sync(policy)
         groups = self.engine.generate(self.encode_prompts(prompts), n=1, greedy=True)
         texts = [self.tokenizer.decode(g[0].token_ids, skip_special_tokens=True) for g in groups]
-        return torch.tensor([float(self.task.is_correct(p, t)) for p, t in zip(prompts, texts)])
+        return correctness(self.task.is_correct, prompts, [[t] for t in texts]).view(-1)

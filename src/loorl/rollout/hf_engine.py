@@ -30,9 +30,10 @@ class HFEngine(RolloutEngine):
         s = self.sampling
         return GenerationConfig(
             do_sample=not greedy,
-            temperature=s.temperature if not greedy else None,
-            top_k=(s.top_k or None) if not greedy else None,
-            top_p=s.top_p if not greedy and s.top_p < 1.0 else None,
+            # explicit values: None would fall back to transformers' defaults (top_k=50 truncates sampling)
+            temperature=1.0 if greedy else s.temperature,
+            top_k=0 if greedy else s.top_k,
+            top_p=1.0 if greedy else s.top_p,
             max_new_tokens=s.max_new_tokens,
             eos_token_id=self.eos_token_id,
             pad_token_id=self.pad_token_id,

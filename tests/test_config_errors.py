@@ -1,0 +1,149 @@
+"""Bad input fails in one clear line that names the setting, before any model is built or loaded.
+
+Run with `PYTHONPATH=src` (the package is not installed on the development machines).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from loorl.config import CONF_DIR
+from loorl.errors import ConfigError
+from loorl.train import train
+
+REPO = CONF_DIR.parent
+QWEN = "Qwen/Qwen2.5-7B-Instruct"
+
+
+def make_cfg(tmp_path: Path, *overrides: str) -> DictConfig:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(
+            "train",
+            overrides=[*overrides, f"model.cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'out'}"],
+        )
+
+
+def train_fails(tmp_path: Path, *overrides: str) -> str:
+    """Run train() on a bad config; return the one-line message after checking nothing was built."""
+    cfg = make_cfg(tmp_path, *overrides)
+    with pytest.raises(ConfigError) as err:
+        train(cfg)
+    msg = str(err.value)
+    assert msg and "\n" not in msg, f"not one line: {msg!r}"
+    assert not (tmp_path / "cache").exists(), "a model was built before the config was checked"
+    assert not (tmp_path / "out").exists(), "the run folder was written before the config was checked"
+    return msg
+
+
+# (overrides, the setting the message must name, further words the message must contain)
+CASES = [
+    (["estimator.name=foo"], "estimator.name", ["foo", "rloo", "grpo"]),
+    (["estimator=rloo", "rl.samples_per_prompt=1"], "rl.samples_per_prompt", ["rloo", "2"]),
+    (["estimator=grpo", "rl.samples_per_prompt=1"], "rl.samples_per_prompt", ["grpo", "2"]),
+    (["rl.samples_per_prompt=0"], "rl.samples_per_prompt", []),
+    (
+        ["rl.prompts_per_step=30", "rl.prompts_per_minibatch=8"],
+        "rl.prompts_per_step",
+        ["prompts_per_minibatch"],
+    ),
+    (["rl.steps=0"], "rl.steps", []),
+    (["rl.epochs_per_rollout=0"], "rl.epochs_per_rollout", []),
+    (["rollout.max_new_tokens=0"], "rollout.max_new_tokens", []),
+    (["rollout.max_new_tokens=-3"], "rollout.max_new_tokens", ["-3"]),
+    (["rollout.temperature=0"], "rollout.temperature", []),
+    (["rollout.top_p=1.5"], "rollout.top_p", ["1.5"]),
+    (["rollout.top_k=-1"], "rollout.top_k", []),
+    (["rollout.truncated=bogus"], "rollout.truncated", ["bogus", "score", "zero", "mask"]),
+    (["loss.agg=bogus"], "loss.agg", ["bogus", "token-mean"]),
+    (["loss.ratio_level=bogus"], "loss.ratio_level", ["token", "sequence"]),
+    (["loss.clip_low=-0.1"], "loss.clip_low", []),
+    (["kl.estimator=k9"], "kl.estimator", ["k9", "k3"]),
+    (["kl.coef=-1"], "kl.coef", ["-1"]),
+    (["model.dtype=float8"], "model.dtype", ["float8", "bfloat16"]),
+    (["model.name_or_path=/nonexistent/model"], "model.name_or_path", ["/nonexistent/model"]),
+    (["strategy=ddp"], "trainer.strategy", ["strategy=auto"]),
+    (["strategy=fsdp"], "trainer.strategy", ["strategy=auto"]),
+    (["rollout.engine=vllm"], "rollout.engine", ["vllm", "hf"]),
+]
+
+
+@pytest.mark.parametrize(("overrides", "setting", "words"), CASES, ids=[" ".join(c[0]) for c in CASES])
+def test_bad_setting_fails_in_one_line(tmp_path, overrides, setting, words):
+    msg = train_fails(tmp_path, *overrides)
+    assert setting in msg
+    for word in words:
+        assert word in msg
+
+
+def test_hub_model_offline_fails_fast_with_the_fix(tmp_path, monkeypatch):
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(QWEN, "config.json"), str):
+        pytest.skip(f"{QWEN} is in the local Hugging Face cache")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    t0 = time.perf_counter()
+    msg = train_fails(tmp_path, "model=qwen7b")
+    assert time.perf_counter() - t0 < 5
+    assert "model.name_or_path" in msg and QWEN in msg
+    assert "download" in msg  # how to get it
+    assert "model.name_or_path=/path" in msg  # or where to point instead
+
+
+# ---- the command line -------------------------------------------------------------------------
+
+
+def run_cli(tmp_path: Path, *args: str) -> tuple[int, str]:
+    env = {**os.environ, "LOORL_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH")]))
+    proc = subprocess.run(
+        [sys.executable, "src/train.py", *args, f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=120,
+    )
+    return proc.returncode, proc.stdout
+
+
+def error_line(output: str) -> str:
+    errors = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, output
+    assert "Traceback" not in output, output
+    return errors[0]
+
+
+@pytest.mark.parametrize(
+    ("arg", "group", "listed"),
+    [
+        ("estimator=foo", "estimator", ["rloo", "grpo", "dr_grpo"]),
+        ("task=nope", "task", ["arithmetic"]),
+        ("model=nope", "model", ["tiny", "qwen7b"]),
+    ],
+)
+def test_cli_unknown_group_option(tmp_path, arg, group, listed):
+    code, out = run_cli(tmp_path, arg)
+    assert code == 2, out
+    line = error_line(out)
+    assert group in line and arg.split("=")[1] in line
+    for option in listed:
+        assert option in line
+    assert not (tmp_path / "cache").exists()
+    assert not (tmp_path / "run").exists()  # Hydra never started
+
+
+def test_cli_bad_setting(tmp_path):
+    code, out = run_cli(tmp_path, "rl.samples_per_prompt=1")
+    assert code == 2, out
+    line = error_line(out)
+    assert "rl.samples_per_prompt" in line
+    assert not (tmp_path / "cache").exists()

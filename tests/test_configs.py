@@ -1,0 +1,403 @@
+"""Every option of every config group composes, and what it composes to is what the code expects.
+
+Run with `PYTHONPATH=src` (the package is not installed on the development machines).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+from omegaconf import DictConfig, OmegaConf
+
+from loorl import estimators
+from loorl.config import CONF_DIR, ENGINES, RATIO_LEVELS, check_config, check_group_choices
+from loorl.errors import ConfigError
+from loorl.losses import AGGREGATIONS, KL_ESTIMATORS
+from loorl.models import DTYPES
+from loorl.rollout.datamodule import TRUNCATED_MODES
+
+GROUPS = ["estimator", "model", "task", "rollout", "strategy", "trainer", "logger", "experiment"]
+OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))]
+# These compose but are refused by check_config by design: the hub model needs the network,
+# multi-process strategies are not implemented yet (tests/test_config_errors.py covers both).
+NOT_CHECKABLE = {("model", "qwen7b"), ("strategy", "ddp"), ("strategy", "fsdp")}
+YAML_FILES = sorted(CONF_DIR.rglob("*.yaml"))
+
+
+def make_cfg(tmp_path: Path, *overrides: str, hydra_cfg: bool = False) -> DictConfig:
+    # `${hydra:runtime.output_dir}` does not resolve under the compose API: set output_dir.
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(
+            "train",
+            overrides=[*overrides, f"output_dir={tmp_path / 'out'}"],
+            return_hydra_config=hydra_cfg,
+        )
+
+
+def test_conf_dir_has_every_group():
+    assert (CONF_DIR / "train.yaml").is_file()
+    for group in GROUPS:
+        assert sorted((CONF_DIR / group).glob("*.yaml")), f"conf/{group}/ has no options"
+
+
+@pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
+def test_every_option_composes(tmp_path, group, option):
+    cfg = make_cfg(tmp_path, f"{group}={option}", hydra_cfg=True)
+    assert cfg.hydra.runtime.choices[group] == option
+    cfg = make_cfg(tmp_path, f"{group}={option}")
+    OmegaConf.resolve(cfg)  # every interpolation resolves
+    assert cfg.output_dir == str(tmp_path / "out")
+    if (group, option) not in NOT_CHECKABLE:
+        check_config(cfg)
+
+
+# ---- defaults ---------------------------------------------------------------------------------
+
+
+def test_default_config_passes_check_and_keeps_seed_zero(tmp_path):
+    cfg = make_cfg(tmp_path)
+    assert cfg.seed == 0 and cfg.seed is not None and isinstance(cfg.seed, int)
+    assert cfg.estimator.name == "rloo"
+    assert cfg.model.name == "tiny"
+    assert cfg.task.name == "arithmetic"
+    assert cfg.trainer.strategy == "auto"
+    assert set(cfg.logger) == {"csv"}
+    assert cfg.resume_from is None
+    check_config(cfg)  # needs no model: the tiny model is not built by the check
+    assert not (tmp_path / "out").exists()
+
+
+def test_default_minibatch_divides_prompts_per_step(tmp_path):
+    rl = make_cfg(tmp_path).rl
+    assert rl.prompts_per_step % rl.prompts_per_minibatch == 0
+    assert rl.samples_per_prompt >= estimators.min_group_size("rloo")
+
+
+# ---- estimator --------------------------------------------------------------------------------
+
+ESTIMATOR_FILES = sorted(p.stem for p in (CONF_DIR / "estimator").glob("*.yaml"))
+
+
+def test_estimator_files_match_registry():
+    assert ESTIMATOR_FILES == estimators.names()
+
+
+@pytest.mark.parametrize("name", ESTIMATOR_FILES)
+def test_estimator_sets_its_name(tmp_path, name):
+    cfg = make_cfg(tmp_path, f"estimator={name}")
+    assert cfg.estimator.name == name
+    assert cfg.estimator.whiten is False
+    expected_agg = "seq-mean-token-sum-norm" if name == "dr_grpo" else "seq-mean-token-sum"
+    assert cfg.loss.agg == expected_agg
+    assert cfg.loss.agg in AGGREGATIONS
+
+
+def test_command_line_overrides_estimator_file(tmp_path):
+    cfg = make_cfg(tmp_path, "estimator=dr_grpo", "loss.agg=token-mean", "estimator.whiten=true")
+    assert cfg.estimator.name == "dr_grpo"
+    assert cfg.loss.agg == "token-mean"
+    assert cfg.estimator.whiten is True
+
+
+# ---- model ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml")))
+def test_model_files_have_the_loading_keys(tmp_path, name):
+    m = make_cfg(tmp_path, f"model={name}").model
+    assert m.name == name
+    for key in ("name_or_path", "cache_dir", "dtype", "ref_dtype", "attn_implementation"):
+        assert key in m, f"model={name} lacks model.{key}"
+    assert m.dtype in DTYPES and m.ref_dtype in DTYPES
+    assert isinstance(m.gradient_checkpointing, bool)
+    # a model is either a path/hub id or the locally built tiny model
+    assert (m.name_or_path is None) != (m.tiny is None)
+
+
+def test_tiny_model(tmp_path):
+    m = make_cfg(tmp_path, "model=tiny", "model.dtype=bfloat16").model
+    assert m.name_or_path is None
+    assert m.ref_dtype == "bfloat16"  # follows model.dtype
+    assert m.tiny.hidden_size % m.tiny.num_heads == 0
+    assert m.tiny.num_heads % m.tiny.num_kv_heads == 0
+
+
+def test_qwen7b_model(tmp_path):
+    m = make_cfg(tmp_path, "model=qwen7b").model
+    assert m.name_or_path == "Qwen/Qwen2.5-7B-Instruct"
+    assert m.dtype == "bfloat16" and m.ref_dtype == "bfloat16"
+
+
+def test_model_cache_dir_follows_loorl_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LOORL_CACHE", str(tmp_path / "c"))
+    assert make_cfg(tmp_path).model.cache_dir == str(tmp_path / "c")
+    monkeypatch.delenv("LOORL_CACHE")
+    assert make_cfg(tmp_path).model.cache_dir == "~/.cache/loorl"
+
+
+# ---- task and rollout -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (CONF_DIR / "task").glob("*.yaml")))
+def test_task_instantiates_and_yields_eval_prompts(tmp_path, name):
+    cfg = make_cfg(tmp_path, f"task={name}")
+    task = instantiate(cfg.task)
+    assert task.name == cfg.task.name == name
+    prompts = task.eval_prompts()
+    assert prompts and all(p.text and p.answer for p in prompts)
+    assert len({p.text for p in prompts}) == len(prompts)  # held-out problems are distinct
+    assert task.eval_prompts() == prompts  # fixed across calls
+    p = prompts[0]
+    assert task.reward(p, p.answer) == 1.0
+    assert task.reward(p, p.answer + "9") == 0.0
+
+
+def test_arithmetic_task_prompts(tmp_path):
+    cfg = make_cfg(tmp_path, "task=arithmetic", "task.eval_size=10")
+    task = instantiate(cfg.task)
+    prompts = task.eval_prompts()
+    assert len(prompts) == 10
+    for p in prompts:
+        a, b = map(int, p.text.rstrip("=").split("+"))
+        assert p.answer == str(a + b)
+        assert cfg.task.min_operand <= a <= cfg.task.max_operand
+
+
+def test_rollout_hf(tmp_path):
+    r = make_cfg(tmp_path, "rollout=hf").rollout
+    assert r.engine == "hf" and r.engine in ENGINES
+    assert r.truncated in TRUNCATED_MODES
+    assert 0 < r.top_p <= 1 and r.top_k >= 0 and r.temperature > 0
+
+
+def test_rollout_max_new_tokens_follows_task(tmp_path):
+    cfg = make_cfg(tmp_path)
+    assert cfg.rollout.max_new_tokens == cfg.task.max_new_tokens == 5
+    assert make_cfg(tmp_path, "task.max_new_tokens=7").rollout.max_new_tokens == 7
+    cfg = make_cfg(tmp_path, "rollout.max_new_tokens=3")
+    assert cfg.rollout.max_new_tokens == 3 and cfg.task.max_new_tokens == 5
+
+
+# ---- strategy and trainer ---------------------------------------------------------------------
+
+
+def test_strategy_auto(tmp_path):
+    assert make_cfg(tmp_path, "strategy=auto").trainer.strategy == "auto"
+
+
+def test_strategy_ddp_instantiates(tmp_path):
+    strategy = instantiate(make_cfg(tmp_path, "strategy=ddp").trainer.strategy)
+    assert isinstance(strategy, DDPStrategy)
+
+
+def test_strategy_fsdp_instantiates(tmp_path):
+    cfg = make_cfg(tmp_path, "strategy=fsdp")
+    assert cfg.trainer.strategy._target_ == "loorl.strategies.fsdp_strategy"
+    strategy = instantiate(cfg.trainer.strategy)  # constructing is fine on CPU; setup is not
+    assert isinstance(strategy, FSDPStrategy)
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (CONF_DIR / "trainer").glob("*.yaml")))
+def test_trainer_instantiates(tmp_path, name):
+    cfg = make_cfg(tmp_path, f"trainer={name}", "rl.steps=3", "val_every=2")
+    assert cfg.trainer.max_epochs == 3
+    assert cfg.trainer.reload_dataloaders_every_n_epochs == 1
+    extra = {"accelerator": "cpu"} if cfg.trainer.accelerator == "gpu" else {}
+    trainer = instantiate(cfg.trainer, logger=False, enable_progress_bar=False, **extra)
+    assert isinstance(trainer, L.Trainer)
+    assert trainer.max_epochs == cfg.rl.steps == 3
+    assert trainer.reload_dataloaders_every_n_epochs == 1
+    assert trainer.check_val_every_n_epoch == 2
+    assert trainer.num_devices == 1
+    assert trainer.default_root_dir == str(tmp_path / "out")
+
+
+def test_trainer_gpu_asks_for_a_gpu(tmp_path):
+    t = make_cfg(tmp_path, "trainer=gpu").trainer
+    assert t.accelerator == "gpu"
+    assert t.reload_dataloaders_every_n_epochs == 1  # inherited from trainer/default.yaml
+
+
+# ---- loggers ----------------------------------------------------------------------------------
+
+
+def test_logger_csv(tmp_path):
+    cfg = make_cfg(tmp_path, "logger=csv")
+    assert set(cfg.logger) == {"csv"}
+    logger = instantiate(cfg.logger.csv)
+    assert isinstance(logger, CSVLogger)
+    assert Path(logger.log_dir) == tmp_path / "out"
+
+
+def test_logger_tensorboard(tmp_path):
+    pytest.importorskip("tensorboard")
+    cfg = make_cfg(tmp_path, "logger=tensorboard")
+    assert set(cfg.logger) == {"tensorboard"}
+    logger = instantiate(cfg.logger.tensorboard)
+    assert isinstance(logger, TensorBoardLogger)
+    assert Path(logger.log_dir) == tmp_path / "out" / "tensorboard"
+
+
+def test_logger_wandb_composes_offline(tmp_path):
+    cfg = make_cfg(tmp_path, "logger=wandb")
+    assert set(cfg.logger) == {"wandb"}
+    assert cfg.logger.wandb._target_ == "lightning.pytorch.loggers.WandbLogger"
+    assert cfg.logger.wandb.offline is True
+    assert cfg.logger.wandb.save_dir == str(tmp_path / "out")
+
+
+def test_logger_wandb_instantiates(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    from lightning.pytorch.loggers import WandbLogger
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    logger = instantiate(make_cfg(tmp_path, "logger=wandb").logger.wandb)
+    assert isinstance(logger, WandbLogger)
+
+
+def test_several_loggers(tmp_path):
+    cfg = make_cfg(tmp_path, "logger=[csv,tensorboard]")
+    assert set(cfg.logger) == {"csv", "tensorboard"}
+    loggers = [instantiate(c) for c in cfg.logger.values()]
+    assert {type(x) for x in loggers} == {CSVLogger, TensorBoardLogger}
+
+
+# ---- experiment -------------------------------------------------------------------------------
+
+
+def test_experiment_arithmetic_grpo(tmp_path):
+    cfg = make_cfg(tmp_path, "experiment=arithmetic_grpo")
+    assert cfg.estimator.name == "grpo"
+    assert cfg.seed == 1
+    assert cfg.rl.samples_per_prompt == 8
+    check_config(cfg)
+
+
+def test_command_line_overrides_experiment(tmp_path):
+    cfg = make_cfg(tmp_path, "experiment=arithmetic_grpo", "seed=5")
+    assert cfg.seed == 5 and cfg.estimator.name == "grpo"
+
+
+# ---- optimizer --------------------------------------------------------------------------------
+
+
+def test_optimizer_is_partial_adamw(tmp_path):
+    cfg = make_cfg(tmp_path)
+    assert cfg.optimizer._partial_ is True
+    factory = instantiate(cfg.optimizer)
+    assert isinstance(factory, functools.partial)
+    weight = torch.nn.Parameter(torch.ones(3))
+    opt = factory([weight])
+    assert isinstance(opt, torch.optim.AdamW)
+    group = opt.param_groups[0]
+    assert group["lr"] == pytest.approx(2.0e-4)
+    assert tuple(group["betas"]) == (0.9, 0.999)
+    assert group["weight_decay"] == 0.0
+    weight.sum().backward()
+    opt.step()
+    assert (weight < 1).all()
+
+
+def test_optimizer_lr_override(tmp_path):
+    opt = instantiate(make_cfg(tmp_path, "optimizer.lr=1e-6").optimizer)([torch.nn.Parameter(torch.ones(1))])
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-6)
+
+
+# ---- comments: every file and every documented setting says what it is ---------------------------
+
+
+@pytest.mark.parametrize("path", YAML_FILES, ids=[str(p.relative_to(CONF_DIR)) for p in YAML_FILES])
+def test_every_yaml_has_a_comment(path):
+    lines = path.read_text().splitlines()
+    assert any(line.lstrip().startswith("#") and line.strip("# ") for line in lines)
+
+
+def _train_yaml_lines():
+    return (CONF_DIR / "train.yaml").read_text().splitlines()
+
+
+def test_train_yaml_documented_keys_have_inline_comments():
+    block, missing, checked = None, [], 0
+    for line in _train_yaml_lines():
+        top = re.match(r"^(\w+):(.*)$", line)
+        if top:
+            key, rest = top.groups()
+            block = key
+            if rest.strip() and key != "defaults":  # a top-level scalar: seed, val_every, ...
+                checked += 1
+                if "#" not in rest:
+                    missing.append(key)
+            continue
+        sub = re.match(r"^  (\w+):", line)
+        if sub and block in ("rl", "loss", "kl"):
+            checked += 1
+            if "#" not in line:
+                missing.append(f"{block}.{sub.group(1)}")
+    assert checked >= 20
+    assert not missing, f"train.yaml settings without a comment: {missing}"
+
+
+def _comment_choices(prefix: str, lines: list[str], after: str = "") -> set[str]:
+    """The `a | b | c` list in the comment of the line starting with `prefix` (from `after` on)."""
+    (line,) = [x for x in lines if x.strip().startswith(prefix)]
+    comment = line.split("#", 1)[1]
+    comment = comment.split(after, 1)[1] if after else comment
+    return {re.split(r"[\s(:]", c.strip())[0] for c in comment.split("|")}
+
+
+def test_comments_list_the_real_choices():
+    lines = _train_yaml_lines()
+    assert _comment_choices("- estimator:", lines) == set(ESTIMATOR_FILES)
+    assert _comment_choices("- strategy:", lines) == {p.stem for p in (CONF_DIR / "strategy").glob("*.yaml")}
+    assert _comment_choices("agg:", lines) == set(AGGREGATIONS)
+    assert _comment_choices("estimator: k1", lines) == set(KL_ESTIMATORS)
+    assert _comment_choices("ratio_level:", lines) == set(RATIO_LEVELS)
+    rollout = (CONF_DIR / "rollout" / "hf.yaml").read_text().splitlines()
+    assert _comment_choices("truncated:", rollout, after="limit:") == set(TRUNCATED_MODES)
+    tiny = (CONF_DIR / "model" / "tiny.yaml").read_text().splitlines()
+    assert _comment_choices("dtype:", tiny, after="weights:") == set(DTYPES)
+
+
+# ---- check_group_choices ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["estimator=rloo,grpo"],  # a multirun sweep
+        ["estimator=rloo,grpo,dr_grpo", "model=tiny", "-m"],
+        ["logger=[csv,tensorboard]"],
+        ["experiment=arithmetic_grpo"],
+        ["experiment=null"],
+        ["rl.steps=3", "estimator.name=foo", "model.cache_dir=/tmp/x", "hydra.run.dir=/tmp/y"],
+        ["~logger"],
+        [],
+    ],
+)
+def test_check_group_choices_accepts(overrides):
+    check_group_choices([a for a in overrides if not a.startswith("-")])
+
+
+@pytest.mark.parametrize(
+    ("override", "bad", "group", "listed"),
+    [
+        ("estimator=rloo,nope", "nope", "estimator", "rloo"),
+        ("logger=[csv,nope]", "nope", "logger", "tensorboard"),
+        ("strategy=deepspeed", "deepspeed", "strategy", "fsdp"),
+    ],
+)
+def test_check_group_choices_rejects(override, bad, group, listed):
+    with pytest.raises(ConfigError) as err:
+        check_group_choices([override])
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert bad in msg and group in msg and listed in msg

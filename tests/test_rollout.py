@@ -1,0 +1,211 @@
+"""The HF engine, batch assembly, scoring and the module's gradient on the real tiny Qwen2 model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hydra.utils import instantiate
+
+from loorl import estimators
+from loorl.models import ensure_tiny_model, load_causal_lm, load_tokenizer
+from loorl.rewards import score_groups
+from loorl.rollout.batch import assemble
+from loorl.rollout.engine import Completion, SamplingConfig
+from loorl.rollout.hf_engine import HFEngine
+from loorl.scoring import completion_logits, completion_logprobs
+from loorl.tasks.base import Prompt
+from loorl.train import build_datamodule, build_module
+
+
+@pytest.fixture(scope="module")
+def tiny(model_cache):
+    from tests_support import quick_cfg_at
+
+    cfg = quick_cfg_at(model_cache)
+    task = instantiate(cfg.task)
+    path = str(ensure_tiny_model(cfg.model, cfg.task, task))
+    return cfg, task, path, load_tokenizer(path), load_causal_lm(path, dtype="float32")
+
+
+def _engine(tok, **sampling):
+    return HFEngine(
+        SamplingConfig(**{"max_new_tokens": 5, **sampling}),
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+
+
+def _rollout(tiny, *, n=4, temperature=1.0, top_k=0, num_prompts=6):
+    cfg, task, _, tok, model = tiny
+    engine = _engine(tok, temperature=temperature, top_k=top_k)
+    engine.sync(model)
+    torch.manual_seed(0)
+    prompts = task.eval_prompts()[:num_prompts]
+    # prompts of different lengths, so left padding is exercised
+    ids = [tok(p.text, add_special_tokens=False).input_ids for p in prompts]
+    assert len({len(i) for i in ids}) > 1
+    groups = engine.generate(ids, n=n)
+    rewards = torch.zeros(num_prompts, n)
+    return assemble(ids, groups, pad_token_id=tok.pad_token_id, rewards=rewards, advantages=rewards), groups
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampler_logprobs_match_recomputed(tiny, temperature):
+    """The trainer's logprobs (left padding, position ids, temperature) equal those the sampler drew with."""
+    _, _, _, _, model = tiny
+    batch, _ = _rollout(tiny, temperature=temperature)
+    recomputed = completion_logprobs(model, batch, temperature=temperature)  # [N, C]
+    mask = batch.completion_mask.bool()
+    assert mask.sum() > 0
+    diff = (recomputed - batch.sampler_logprobs)[mask].abs().max()
+    assert diff < 1e-4, diff
+    chunked = completion_logprobs(model, batch, temperature=temperature, chunk=8)
+    assert torch.allclose(chunked[mask], recomputed[mask], atol=1e-5)
+
+
+def test_greedy_equals_argmax_and_cut_at_eos(tiny):
+    _, task, _, tok, model = tiny
+    engine = _engine(tok)
+    engine.sync(model)
+    prompts = task.eval_prompts()[:10]
+    ids = [tok(p.text, add_special_tokens=False).input_ids for p in prompts]
+    groups = engine.generate(ids, n=1, greedy=True)
+    for g in groups:
+        c = g[0]
+        assert c.finished == (c.token_ids[-1] == tok.eos_token_id)
+        assert tok.eos_token_id not in c.token_ids[:-1]
+    batch = assemble(
+        ids, groups, pad_token_id=tok.pad_token_id, rewards=torch.zeros(10), advantages=torch.zeros(10)
+    )
+    argmax = completion_logits(model, batch).argmax(-1)  # [N, C]
+    mask = batch.completion_mask.bool()
+    assert torch.equal(argmax[mask], batch.completion_ids[mask])
+
+
+def test_assemble_layout_and_truncation_modes():
+    completions = [
+        [Completion([5, 6, 1], [-0.1, -0.2, -0.3], True), Completion([7, 7], [-1.0, -2.0], False)],
+        [Completion([1], [-0.5], True), Completion([8, 9, 9], [-0.1, -0.1, -0.1], False)],
+    ]
+    prompts = [[3, 4, 5], [6]]
+    r = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    b = assemble(prompts, completions, pad_token_id=0, rewards=r, advantages=r)
+    assert b.prompt_len == 3 and b.completion_ids.shape == (4, 3) and b.group_size == 2
+    assert b.input_ids[2].tolist() == [0, 0, 6, 1, 0, 0]  # left-padded prompt, right-padded completion
+    assert b.attention_mask[2].tolist() == [0, 0, 1, 1, 0, 0]
+    assert b.position_ids[2].tolist()[2:4] == [0, 1]
+    assert b.completion_mask.tolist() == [[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]]
+    masked = assemble(prompts, completions, pad_token_id=0, rewards=r, advantages=r, loss_on_truncated=False)
+    assert masked.completion_mask.tolist() == [[1, 1, 1], [0, 0, 0], [1, 0, 0], [0, 0, 0]]
+    sub = b.select_groups([1])
+    assert sub.input_ids.shape[0] == 2 and torch.equal(sub.input_ids, b.input_ids[2:])
+
+
+def test_score_groups_marks_failures_unscorable():
+    prompts = [Prompt("a", "1"), Prompt("b", "2")]
+
+    def reward(prompt, text):
+        if text == "boom":
+            raise RuntimeError("reward server down")
+        return {"none": None, "nan": float("nan"), "inf": float("inf")}.get(
+            text, float(text == prompt.answer)
+        )
+
+    rewards, failures = score_groups(reward, prompts, [["1", "boom", "none"], ["nan", "2", "inf"]])
+    assert failures == 4
+    assert rewards[0, 0] == 1.0 and rewards[1, 1] == 1.0
+    assert torch.isnan(rewards[[0, 0, 1, 1], [1, 2, 0, 2]]).all()
+    adv = estimators.get("rloo")(rewards)
+    assert not adv.isnan().any() and adv[0, 0] == 0 and adv[1, 1] == 0  # one scorable sample per group
+
+
+def test_minibatches_keep_groups_together(tiny):
+    cfg, task, path, tok, _ = tiny
+    from tests_support import quick_cfg_at
+
+    cfg = quick_cfg_at(cfg.model.cache_dir, "rl.prompts_per_minibatch=2", "rl.epochs_per_rollout=2")
+    dm = build_datamodule(cfg, task, tok)
+    module = build_module(cfg, path)
+    module.configure_model()
+    batch = dm.rollout(module, step=0)
+    assert batch.old_logprobs is not None  # several optimizer steps per rollout: old logprobs recomputed
+
+    class _Trainer:
+        current_epoch = 0
+        lightning_module = module
+
+    dm.trainer = _Trainer()
+    seen = []
+    k = cfg.rl.samples_per_prompt
+    for mb in dm.train_dataloader():
+        assert mb.group_size == k and mb.input_ids.shape[0] == 2 * k
+        for g in range(mb.num_groups):
+            rows = mb.input_ids[g * k : (g + 1) * k, : mb.prompt_len]
+            assert (rows == rows[0]).all()  # one prompt per group
+            seen.append(rows[0].tolist())
+        assert torch.allclose(mb.advantages.view(-1, k).sum(-1), torch.zeros(mb.num_groups), atol=1e-5)
+    assert len(seen) == 2 * cfg.rl.prompts_per_step  # every group once per pass, two passes
+
+
+def _grads(module):
+    return torch.cat([p.grad.flatten() for p in module.policy.parameters() if p.grad is not None])
+
+
+def test_module_gradient_equals_hand_built_estimate_and_ignores_microbatch_size(tiny, model_cache):
+    """grad(loss) == -1/N sum_i A_i grad log pi(y_i|x) on the tiny Qwen2 model, for any micro-batch size."""
+    from tests_support import quick_cfg_at
+
+    cfg, _, path, _, _ = tiny
+    batch, _ = _rollout(tiny, n=4, num_prompts=4)
+    batch.advantages = torch.randn(batch.input_ids.shape[0])  # [N]
+    grads = {}
+    for micro in (1, 4):
+        module = build_module(quick_cfg_at(model_cache, f"rl.prompts_per_microbatch={micro}"), path)
+        module.configure_model()
+        module.accumulate_gradients(batch, lambda loss: loss.backward())
+        grads[micro] = _grads(module)
+    assert torch.allclose(grads[1], grads[4], atol=1e-6, rtol=1e-5)
+
+    # the hand-built estimate: one sequence at a time
+    model = module.policy
+    params = [p for p in model.parameters() if p.requires_grad]
+    expected = [torch.zeros_like(p) for p in params]
+    n = batch.input_ids.shape[0]
+    for i in range(n):
+        one = _single_row(batch, i)
+        logp = completion_logprobs(model, one, temperature=1.0)  # [1, C]
+        seq_logp = (logp * one.completion_mask).sum()
+        for e, g in zip(expected, torch.autograd.grad(seq_logp, params)):
+            e -= batch.advantages[i] * g / n
+    expected = torch.cat([e.flatten() for e in expected])
+    assert torch.allclose(grads[4], expected, atol=1e-6, rtol=1e-4)
+
+
+def _single_row(batch, i):
+    """Row i as a batch of one group of size one."""
+    from dataclasses import fields, replace
+
+    values = {f.name: getattr(batch, f.name) for f in fields(batch)}
+    return replace(
+        batch,
+        **{k: v[i : i + 1] for k, v in values.items() if isinstance(v, torch.Tensor)},
+        group_size=1,
+    )
+
+
+def test_reward_and_accuracy_of_arithmetic_task():
+    from loorl.tasks.arithmetic import ArithmeticTask
+
+    task = ArithmeticTask(max_operand=9, eval_size=10)
+    p = task.eval_prompts()[0]
+    assert p.text.endswith("=") and task.reward(p, p.answer) == 1.0 and task.reward(p, "x") == 0.0
+    assert task.is_correct(p, f" {p.answer} ") and not task.is_correct(p, p.answer + "0")
+    eval_texts = {q.text for q in task.eval_prompts()}
+    held_out = ArithmeticTask(max_operand=9, eval_size=10, exclude_eval_from_train=True)
+    import numpy as np
+
+    drawn = {q.text for q in held_out.train_prompts(500, rng=np.random.default_rng(0))}
+    assert not drawn & eval_texts
+    assert math.isclose(len(held_out._train_pairs), 100 - 10)

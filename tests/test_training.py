@@ -1,0 +1,146 @@
+"""End-to-end runs of `train(cfg)` on the quick tiny config: real Lightning, real HF generation."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+import torch
+
+from loorl import estimators
+from loorl.train import train
+
+
+def _history(run_dir):
+    return json.loads((run_dir / "metrics.json").read_text())["history"]
+
+
+def _deterministic(history):
+    return {k: v for k, v in history.items() if not k.startswith("perf/")}
+
+
+def test_quick_run_writes_every_output(quick_cfg, tmp_path):
+    cfg = quick_cfg()
+    summary = train(cfg)
+    run = tmp_path / "run"
+    assert summary["rl_steps"] == cfg.rl.steps and summary["optimizer_steps"] == cfg.rl.steps
+    assert 0 <= summary["val_accuracy_start"] <= 1 and 0 <= summary["val_accuracy_end"] <= 1
+    text = (run / "summary.md").read_text()
+    assert "held-out greedy accuracy" in text and "tokens/s" in text
+    png = (run / "learning_curve.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    with open(run / "metrics.csv") as f:
+        columns = set(next(csv.reader(f)))
+    expected = {
+        "rollout/reward",
+        "rollout/reward_std",
+        "rollout/accuracy",
+        "rollout/completion_len",
+        "rollout/zero_std_group_frac",
+        "rollout/truncated_frac",
+        "train/loss_step",
+        "train/entropy",
+        "train/clip_frac",
+        "train/grad_norm",
+        "perf/gen_tokens_per_s",
+        "perf/train_tokens_per_s",
+        "val/accuracy",
+    }
+    assert expected <= columns, expected - columns
+    history = _history(run)
+    assert [s for s, _ in history["val/accuracy"]] == [0, 2, 4]  # before training, then every val_every
+    assert len(history["rollout/reward"]) == cfg.rl.steps
+    assert (run / "checkpoints" / "last.ckpt").exists()
+    assert (run / "config.yaml").exists()
+    from transformers import AutoModelForCausalLM
+
+    exported = AutoModelForCausalLM.from_pretrained(run / "policy")
+    assert (run / "policy" / "tokenizer.json").exists()
+    ckpt = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    name = "model.embed_tokens.weight"
+    assert torch.equal(exported.state_dict()[name], ckpt["state_dict"][f"policy.{name}"])
+
+
+def test_same_seed_same_metrics(quick_cfg, tmp_path):
+    a = train(quick_cfg(f"output_dir={tmp_path}/a", "rl.steps=3"))
+    b = train(quick_cfg(f"output_dir={tmp_path}/b", "rl.steps=3"))
+    c = train(quick_cfg(f"output_dir={tmp_path}/c", "rl.steps=3", "seed=1"))
+    ha, hb, hc = (_deterministic(_history(tmp_path / x)) for x in "abc")
+    assert ha == hb
+    assert ha != hc
+    assert a["val_accuracy_end"] == b["val_accuracy_end"]
+    assert not math.isnan(c["reward_last"])
+
+
+@pytest.mark.parametrize("name", estimators.names())
+def test_every_estimator_trains(quick_cfg, tmp_path, name):
+    summary = train(quick_cfg(f"estimator={name}", "rl.steps=2", "val_every=5", "checkpoint_every=0"))
+    history = _history(tmp_path / "run")
+    losses = [v for _, v in history["train/loss"]]
+    assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
+    assert summary["optimizer_steps"] == 2
+
+
+def test_kl_in_reward_loads_reference_and_logs_kl(quick_cfg, tmp_path):
+    train(quick_cfg("kl.coef=0.1", "kl.estimator=k3", "rl.steps=3", "checkpoint_every=0"))
+    history = _history(tmp_path / "run")
+    kls = [v for _, v in history["rollout/kl"]]
+    assert kls[0] == pytest.approx(0.0, abs=1e-6)  # the first rollout comes from the reference itself
+    assert kls[-1] > 0  # the policy has moved away from it
+    assert [v for _, v in history["rollout/kl_coef"]] == pytest.approx([0.1, 0.1, 0.1])
+
+
+def test_kl_as_loss_term_and_adaptive_coefficient(quick_cfg, tmp_path):
+    train(
+        quick_cfg(
+            "kl.coef=0.1",
+            "kl.in_reward=false",
+            "kl.adaptive=true",
+            "kl.target=0.001",
+            "kl.horizon=100",
+            "rl.steps=3",
+            "checkpoint_every=0",
+        )
+    )
+    history = _history(tmp_path / "run")
+    assert "train/kl" in history
+    coefs = [v for _, v in history["rollout/kl_coef"]]
+    assert coefs[0] == pytest.approx(0.1) and coefs[-1] != coefs[0]
+
+
+def test_off_policy_minibatches_use_clipped_surrogate(quick_cfg, tmp_path):
+    summary = train(
+        quick_cfg("rl.prompts_per_minibatch=4", "rl.epochs_per_rollout=2", "rl.steps=2", "checkpoint_every=0")
+    )
+    assert summary["optimizer_steps"] == 2 * 2 * 2  # steps x passes x mini-batches
+    history = _history(tmp_path / "run")
+    assert all(0 <= v <= 1 for _, v in history["train/clip_frac"])
+
+
+def test_failing_reward_function_does_not_kill_the_run(quick_cfg, tmp_path):
+    summary = train(
+        quick_cfg(
+            "task._target_=flaky_task.FlakyArithmetic",
+            "rl.steps=4",
+            "rl.prompts_per_step=16",
+            "rl.prompts_per_minibatch=16",
+            "rl.samples_per_prompt=8",
+            "checkpoint_every=0",
+        )
+    )
+    history = _history(tmp_path / "run")
+    unscorable = [v for _, v in history["rollout/unscorable"]]
+    assert sum(unscorable) > 0  # failures were counted ...
+    assert all(math.isfinite(v) for _, v in history["train/loss"])  # ... and the loss never saw a NaN
+    assert math.isfinite(summary["reward_last"])
+
+
+def test_resume_from_checkpoint_continues_the_step_count(quick_cfg, tmp_path):
+    train(quick_cfg(f"output_dir={tmp_path}/first", "rl.steps=2", "checkpoint_every=1"))
+    ckpt = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    summary = train(quick_cfg(f"output_dir={tmp_path}/second", "rl.steps=4", f"resume_from={ckpt}"))
+    assert summary["rl_steps"] == 4 and summary["optimizer_steps"] == 4
+    steps = [s for s, _ in _history(tmp_path / "second")["rollout/reward"]]
+    assert steps == [2, 3]
