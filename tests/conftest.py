@@ -23,7 +23,7 @@ QUICK = [
     "val_every=2",
     "task.eval_size=40",
     "checkpoint_every=2",
-    "+trainer.enable_progress_bar=false",
+    "trainer.enable_progress_bar=false",
 ]
 
 

@@ -30,6 +30,7 @@ from loorl.tasks.base import Task
 log = logging.getLogger(__name__)
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
+TINY_BUILD_VERSION = 1  # bump when the build code changes, so stale caches are not reused
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -59,7 +60,11 @@ def build_char_tokenizer():
 
 def tiny_cache_key(tiny_cfg: DictConfig, task_cfg: DictConfig) -> str:
     blob = json.dumps(
-        {"tiny": OmegaConf.to_container(tiny_cfg, resolve=True), "task": OmegaConf.to_container(task_cfg)},
+        {
+            "version": TINY_BUILD_VERSION,
+            "tiny": OmegaConf.to_container(tiny_cfg, resolve=True),
+            "task": OmegaConf.to_container(task_cfg),
+        },
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:12]

@@ -1,0 +1,21 @@
+"""The README's default run, unchanged: it must really learn (about 50 s on 2 CPU cores)."""
+
+from __future__ import annotations
+
+from conftest import compose_cfg
+from loorl.train import train
+
+
+def test_default_run_gains_25_points_of_held_out_accuracy(tmp_path):
+    cfg = compose_cfg(
+        [
+            f"model.cache_dir={tmp_path}/cache",
+            f"output_dir={tmp_path}/run",
+            "trainer.enable_progress_bar=false",
+        ]
+    )
+    summary = train(cfg)
+    assert summary["rl_steps"] == 150
+    assert summary["val_accuracy_gain"] >= 0.25, summary
+    assert summary["reward_last"] > summary["reward_first"]
+    assert (tmp_path / "run" / "learning_curve.png").exists()
