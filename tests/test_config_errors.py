@@ -1,7 +1,4 @@
-"""Bad input fails in one clear line that names the setting, before any model is built or loaded.
-
-Run with `PYTHONPATH=src` (the package is not installed on the development machines).
-"""
+"""Bad input fails in one clear line that names the setting, before any model is built or loaded."""
 
 from __future__ import annotations
 
@@ -67,6 +64,7 @@ CASES = [
     (["loss.clip_low=-0.1"], "loss.clip_low", []),
     (["kl.estimator=k9"], "kl.estimator", ["k9", "k3"]),
     (["kl.coef=-1"], "kl.coef", ["-1"]),
+    (["kl.adaptive=true", "kl.coef=0"], "kl.coef", ["kl.adaptive"]),
     (["model.dtype=float8"], "model.dtype", ["float8", "bfloat16"]),
     (["model.name_or_path=/nonexistent/model"], "model.name_or_path", ["/nonexistent/model"]),
     (["strategy=ddp"], "trainer.strategy", ["strategy=auto"]),

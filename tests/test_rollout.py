@@ -209,3 +209,15 @@ def test_reward_and_accuracy_of_arithmetic_task():
     drawn = {q.text for q in held_out.train_prompts(500, rng=np.random.default_rng(0))}
     assert not drawn & eval_texts
     assert math.isclose(len(held_out._train_pairs), 100 - 10)
+
+
+def test_reference_model_is_loaded_only_when_kl_is_on(tiny, model_cache):
+    from tests_support import quick_cfg_at
+
+    _, _, path, _, _ = tiny
+    off = build_module(quick_cfg_at(model_cache), path)
+    off.configure_model()
+    assert off.reference is None
+    on = build_module(quick_cfg_at(model_cache, "kl.coef=0.01"), path)
+    on.configure_model()
+    assert on.reference is not None and not any(p.requires_grad for p in on.reference.parameters())

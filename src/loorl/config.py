@@ -102,6 +102,8 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError(
             f"kl.coef={cfg.kl.coef} must be >= 0 (0 turns the KL term and the reference model off)"
         )
+    if cfg.kl.adaptive and cfg.kl.coef <= 0:
+        raise ConfigError("kl.adaptive=true needs kl.coef > 0: the controller scales it, and 0 stays 0")
     _one_of("model.dtype", cfg.model.dtype, tuple(DTYPES))
     _one_of("model.ref_dtype", cfg.model.ref_dtype, tuple(DTYPES))
     strategy = cfg.trainer.strategy
