@@ -69,7 +69,7 @@ CASES = [
     (["model.name_or_path=/nonexistent/model"], "model.name_or_path", ["/nonexistent/model"]),
     (["strategy=ddp"], "trainer.strategy", ["strategy=auto"]),
     (["strategy=fsdp"], "trainer.strategy", ["strategy=auto"]),
-    (["rollout.engine=vllm"], "rollout.engine", ["vllm", "hf"]),
+    (["rollout.engine=sglang"], "rollout.engine", ["sglang", "hf", "vllm", "auto"]),
 ]
 
 

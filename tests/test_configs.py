@@ -179,6 +179,23 @@ def test_rollout_hf(tmp_path):
     assert 0 < r.top_p <= 1 and r.top_k >= 0 and r.temperature > 0
 
 
+@pytest.mark.parametrize("option", ["vllm", "auto"])
+def test_rollout_vllm_and_auto_share_the_sampling_settings(tmp_path, option):
+    r = make_cfg(tmp_path, f"rollout={option}").rollout
+    hf = make_cfg(tmp_path, "rollout=hf").rollout
+    assert r.engine == option
+    for key in ("temperature", "top_p", "top_k", "max_new_tokens", "truncated", "max_prompt_length"):
+        assert r[key] == hf[key]
+    assert r.vllm.tensor_parallel_size == 1 and 0 < r.vllm.gpu_memory_utilization <= 1
+    assert make_cfg(tmp_path).rollout.engine == "auto"  # the default
+
+
+def test_tis_cap_comes_from_the_model_config(tmp_path):
+    assert make_cfg(tmp_path).loss.tis_cap is None
+    assert make_cfg(tmp_path, "model=qwen7b").loss.tis_cap == 2.0
+    assert make_cfg(tmp_path, "model=qwen7b", "loss.tis_cap=null").loss.tis_cap is None
+
+
 def test_rollout_max_new_tokens_follows_task(tmp_path):
     cfg = make_cfg(tmp_path)
     assert cfg.rollout.max_new_tokens == cfg.task.max_new_tokens == 5

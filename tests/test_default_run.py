@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from conftest import compose_cfg
 from loorl.train import train
 
@@ -19,3 +21,20 @@ def test_default_run_gains_25_points_of_held_out_accuracy(tmp_path):
     assert summary["val_accuracy_gain"] >= 0.25, summary
     assert summary["reward_last"] > summary["reward_first"]
     assert (tmp_path / "run" / "learning_curve.png").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_default_run_with_vllm_gains_as_much(tmp_path):
+    """`python src/train.py rollout=vllm` (about 70 s): run with `python -m pytest -m slow`."""
+    pytest.importorskip("vllm")
+    cfg = compose_cfg(
+        [
+            "rollout=vllm",
+            f"model.cache_dir={tmp_path}/cache",
+            f"output_dir={tmp_path}/run",
+            "trainer.enable_progress_bar=false",
+        ]
+    )
+    summary = train(cfg)
+    assert summary["val_accuracy_gain"] >= 0.25, summary

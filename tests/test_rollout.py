@@ -126,7 +126,7 @@ def test_minibatches_keep_groups_together(tiny):
     from tests_support import quick_cfg_at
 
     cfg = quick_cfg_at(cfg.model.cache_dir, "rl.prompts_per_minibatch=2", "rl.epochs_per_rollout=2")
-    dm = build_datamodule(cfg, task, tok)
+    dm = build_datamodule(cfg, task, tok, path)
     module = build_module(cfg, path)
     module.configure_model()
     batch = dm.rollout(module, step=0)
@@ -221,3 +221,27 @@ def test_reference_model_is_loaded_only_when_kl_is_on(tiny, model_cache):
     on = build_module(quick_cfg_at(model_cache, "kl.coef=0.01"), path)
     on.configure_model()
     assert on.reference is not None and not any(p.requires_grad for p in on.reference.parameters())
+
+
+@pytest.mark.parametrize(
+    ("log_ratio", "cap", "weight"), [(math.log(3.0), 2.0, 2.0), (math.log(0.5), 2.0, 0.5)]
+)
+def test_truncated_importance_weights_scale_the_gradient(tiny, model_cache, log_ratio, cap, weight):
+    """min(pi_train / pi_sampler, cap) multiplies each token's loss: here a constant ratio per token."""
+    from tests_support import quick_cfg_at
+
+    _, _, path, _, _ = tiny
+    batch, _ = _rollout(tiny, n=4, num_prompts=4)
+    batch.advantages = torch.randn(batch.input_ids.shape[0])  # [N]
+    plain = build_module(quick_cfg_at(model_cache), path)
+    plain.configure_model()
+    with torch.no_grad():
+        exact = completion_logprobs(plain.policy, batch, temperature=1.0)  # [N, C]
+    batch.sampler_logprobs = exact - log_ratio  # the sampler saw pi_train / ratio
+    plain.accumulate_gradients(batch, lambda loss: loss.backward())
+    corrected = build_module(quick_cfg_at(model_cache, f"loss.tis_cap={cap}"), path)
+    corrected.configure_model()
+    _, sums, tokens = corrected.accumulate_gradients(batch, lambda loss: loss.backward())
+    assert torch.allclose(_grads(corrected), weight * _grads(plain), atol=1e-6, rtol=1e-4)
+    assert sums["tis_weight_sum"] / tokens == pytest.approx(weight, rel=1e-4)
+    assert sums["mismatch_sum"] / tokens == pytest.approx(log_ratio, abs=1e-4)

@@ -11,9 +11,9 @@ from loorl.errors import ConfigError
 from loorl.losses import AGGREGATIONS, KL_ESTIMATORS
 from loorl.models import DTYPES, check_model_reachable
 from loorl.rollout.datamodule import TRUNCATED_MODES
+from loorl.rollout.factory import ENGINES, VLLM_INSTALL_HINT, cuda_available, resolve_engine, vllm_installed
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-ENGINES = ("hf",)  # vllm and auto arrive with the vLLM engine (issue 3)
 RATIO_LEVELS = ("token", "sequence")
 
 
@@ -113,4 +113,36 @@ def check_config(cfg: DictConfig) -> None:
             f"trainer.strategy={name} composes but multi-process training is not implemented yet "
             "(roadmap: scale-out); use strategy=auto"
         )
+    if cfg.loss.tis_cap is not None and _number(cfg, "loss.tis_cap") <= 0:
+        raise ConfigError(f"loss.tis_cap={cfg.loss.tis_cap} must be > 0, or null to turn the correction off")
     check_model_reachable(cfg.model)
+    check_vllm_can_run(cfg)
+
+
+def model_head_dim(model_cfg: DictConfig) -> int:
+    if model_cfg.name_or_path is None:
+        return model_cfg.tiny.hidden_size // model_cfg.tiny.num_heads
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_cfg.name_or_path)
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def check_vllm_can_run(cfg: DictConfig) -> None:
+    """vLLM requested: it must be installed, and on CPU its attention kernels must take the head size."""
+    engine, _ = resolve_engine(cfg.rollout.engine)
+    if engine != "vllm":
+        return
+    if not vllm_installed():
+        raise ConfigError(f"rollout.engine={cfg.rollout.engine} needs the vllm package: {VLLM_INSTALL_HINT}")
+    if cuda_available():
+        return
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    sizes = CPUAttentionBackend.get_supported_head_sizes()
+    head_dim = model_head_dim(cfg.model)
+    if head_dim not in sizes:
+        raise ConfigError(
+            f"rollout.engine=vllm cannot run this model on CPU: head size {head_dim} is not one of vLLM's "
+            f"CPU kernel sizes {sizes}; use rollout=hf, or a model whose hidden_size/num_heads is listed"
+        )

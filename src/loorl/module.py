@@ -52,6 +52,7 @@ class LossSettings:
     clip_high: float = 0.2
     ratio_level: str = "token"
     max_grad_norm: float | None = 1.0
+    tis_cap: float | None = None  # truncated importance-sampling cap; None: off
     prompts_per_microbatch: int = 32
     max_len: int = 16  # the generation limit, for seq-mean-token-sum-norm
 
@@ -139,7 +140,17 @@ class PolicyGradientModule(L.LightningModule):
                 clip_high=cfg.clip_high,
                 ratio_level=cfg.ratio_level,
             )
-        stats = {}
+        # Sampler/trainer mismatch: log pi_train - log pi_sampler per token, at the rollout's weights.
+        behaviour = (sub.old_logprobs if sub.old_logprobs is not None else logp).detach()  # [n, C]
+        log_ratio = (behaviour - sub.sampler_logprobs) * mask  # [n, C]
+        stats = {
+            "mismatch_sum": float(log_ratio.sum()),
+            "mismatch_max": float(log_ratio.abs().max()) if mask.any() else 0.0,
+        }
+        if cfg.tis_cap is not None:
+            weight = torch.exp(log_ratio).clamp(max=cfg.tis_cap)  # [n, C] truncated IS weight, no gradient
+            tok_loss = tok_loss * weight
+            stats["tis_weight_sum"] = float((weight * mask).sum())
         if self.reference is not None and not self.kl.in_reward:
             kl_tok = kl_per_token(logp, sub.ref_logprobs, estimator=self.kl.estimator)  # [n, C]
             tok_loss = tok_loss + self.kl_controller.value * kl_tok
@@ -168,7 +179,7 @@ class PolicyGradientModule(L.LightningModule):
             backward(loss)
             total_loss += float(loss.detach())
             for k, v in stats.items():
-                sums[k] = sums.get(k, 0.0) + v
+                sums[k] = max(sums.get(k, 0.0), v) if k.endswith("_max") else sums.get(k, 0.0) + v
         return total_loss, sums, num_tokens
 
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
@@ -186,6 +197,16 @@ class PolicyGradientModule(L.LightningModule):
         self.log("train/loss", total_loss, on_step=True, on_epoch=True, prog_bar=True)
         self.log("train/entropy", sums["entropy_sum"] / num_tokens, on_step=False, on_epoch=True)
         self.log("train/clip_frac", sums["clipped_sum"] / num_tokens, on_step=False, on_epoch=True)
+        self.log(
+            "train/sampler_logratio_mean", sums["mismatch_sum"] / num_tokens, on_step=False, on_epoch=True
+        )
+        self.log(
+            "train/sampler_logratio_max", sums["mismatch_max"], on_step=False, on_epoch=True, reduce_fx="max"
+        )
+        if "tis_weight_sum" in sums:
+            self.log(
+                "train/tis_weight_mean", sums["tis_weight_sum"] / num_tokens, on_step=False, on_epoch=True
+            )
         if "kl_loss_sum" in sums:
             self.log("train/kl", sums["kl_loss_sum"] / num_tokens, on_step=False, on_epoch=True)
         self.log(

@@ -21,7 +21,7 @@ from loorl.rollout.factory import build_engine
 log = logging.getLogger("loorl")
 
 
-def build_datamodule(cfg: DictConfig, task, tokenizer) -> RolloutDataModule:
+def build_datamodule(cfg: DictConfig, task, tokenizer, model_path: str) -> RolloutDataModule:
     settings = RolloutSettings(
         prompts_per_step=cfg.rl.prompts_per_step,
         samples_per_prompt=cfg.rl.samples_per_prompt,
@@ -34,8 +34,9 @@ def build_datamodule(cfg: DictConfig, task, tokenizer) -> RolloutDataModule:
         eval_batch_size=cfg.rollout.eval_batch_size,
         seed=cfg.seed,
     )
-    engine = build_engine(cfg.rollout, tokenizer)
-    log.info("rollout engine: %s", engine.name)
+    engine = build_engine(
+        cfg.rollout, tokenizer, model_path=model_path, model_dtype=cfg.model.dtype, seed=cfg.seed
+    )
     return RolloutDataModule(task=task, tokenizer=tokenizer, engine=engine, settings=settings)
 
 
@@ -54,6 +55,7 @@ def build_module(cfg: DictConfig, model_path: str) -> PolicyGradientModule:
             clip_high=cfg.loss.clip_high,
             ratio_level=cfg.loss.ratio_level,
             max_grad_norm=cfg.loss.max_grad_norm,
+            tis_cap=cfg.loss.tis_cap,
             prompts_per_microbatch=cfg.rl.prompts_per_microbatch,
             max_len=cfg.rollout.max_new_tokens,
         ),
@@ -72,7 +74,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     task = instantiate(cfg.task)
     model_path = resolve_model_path(cfg.model, cfg.task, task)
     tokenizer = load_tokenizer(model_path)
-    datamodule = build_datamodule(cfg, task, tokenizer)
+    datamodule = build_datamodule(cfg, task, tokenizer, model_path)
     module = build_module(cfg, model_path)
 
     summary = RunSummary(str(output_dir), title=f"{cfg.estimator.name} on {cfg.task.name} ({cfg.model.name})")

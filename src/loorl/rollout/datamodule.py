@@ -80,13 +80,14 @@ class RolloutDataModule(L.LightningDataModule):
     @torch.no_grad()
     def rollout(self, module, step: int) -> RolloutBatch:
         s = self.settings
-        self.engine.sync(module.policy)
+        self.engine.sync(module.policy, version=module.global_step)
         prompts = self.prompts_for_step(step)
         prompt_ids = self.encode_prompts(prompts)
 
         t0 = time.perf_counter()
         groups = self.engine.generate(prompt_ids, n=s.samples_per_prompt)
         gen_seconds = time.perf_counter() - t0
+        self.engine.sleep()
         texts = [[self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in g] for g in groups]
 
         rewards, failures = score_groups(self.task.reward, prompts, texts)  # [B, K]
@@ -170,7 +171,8 @@ class RolloutDataModule(L.LightningDataModule):
     @torch.no_grad()
     def greedy_correct(self, policy, prompts: list[Prompt]) -> torch.Tensor:
         """1.0 where the greedy completion is correct, [len(prompts)]."""
-        self.engine.sync(policy)
+        self.engine.sync(policy, version=self.trainer.global_step if self.trainer else None)
         groups = self.engine.generate(self.encode_prompts(prompts), n=1, greedy=True)
+        self.engine.sleep()
         texts = [self.tokenizer.decode(g[0].token_ids, skip_special_tokens=True) for g in groups]
         return correctness(self.task.is_correct, prompts, [[t] for t in texts]).view(-1)

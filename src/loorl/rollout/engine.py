@@ -32,8 +32,15 @@ class RolloutEngine(ABC):
         self.pad_token_id = pad_token_id
 
     @abstractmethod
-    def sync(self, policy) -> None:
-        """Make the engine sample from `policy`'s current weights."""
+    def sync(self, policy, version: int | None = None) -> None:
+        """Make the engine sample from `policy`'s current weights.
+
+        `version` (the optimizer step count) lets an engine skip a copy it already holds.
+        """
+
+    def sleep(self) -> None:
+        """Release memory the engine does not need while the policy trains (default: nothing)."""
+        return None
 
     @abstractmethod
     def generate(

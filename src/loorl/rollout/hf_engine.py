@@ -21,7 +21,7 @@ class HFEngine(RolloutEngine):
         self.batch_size = batch_size  # sequences per generate call (memory bound)
         self.policy = None
 
-    def sync(self, policy) -> None:
+    def sync(self, policy, version: int | None = None) -> None:
         self.policy = policy
 
     def _generation_config(self, greedy: bool):

