@@ -10,7 +10,6 @@ from hydra.utils import instantiate
 
 from loorl import estimators
 from loorl.models import ensure_tiny_model, load_causal_lm, load_tokenizer
-from loorl.rewards import score_groups
 from loorl.rollout.batch import assemble
 from loorl.rollout.engine import Completion, SamplingConfig
 from loorl.rollout.hf_engine import HFEngine
@@ -103,22 +102,41 @@ def test_assemble_layout_and_truncation_modes():
     assert sub.input_ids.shape[0] == 2 and torch.equal(sub.input_ids, b.input_ids[2:])
 
 
-def test_score_groups_marks_failures_unscorable():
+def test_reward_failures_are_unscorable_and_counted():
+    from loorl.rewards import RewardComposer, WeightedReward
+
     prompts = [Prompt("a", "1"), Prompt("b", "2")]
 
-    def reward(prompt, text):
-        if text == "boom":
-            raise RuntimeError("reward server down")
-        return {"none": None, "nan": float("nan"), "inf": float("inf")}.get(
-            text, float(text == prompt.answer)
-        )
+    def exact(prompts, completions, **columns):
+        if "boom" in completions:
+            raise RuntimeError("reward server down")  # fails the batch: retried one sample at a time
+        table = {"none": None, "nan": float("nan"), "inf": float("inf")}
+        return [table.get(c, float(c == a)) for c, a in zip(completions, columns["answer_col"])]
 
-    rewards, failures = score_groups(reward, prompts, [["1", "boom", "none"], ["nan", "2", "inf"]])
+    for p in prompts:
+        p.meta["answer_col"] = p.answer
+    composer = RewardComposer([WeightedReward("exact", exact)])
+    rewards, failures, parts = composer(prompts, [["1", "boom", "none"], ["nan", "2", "inf"]])
     assert failures == 4
     assert rewards[0, 0] == 1.0 and rewards[1, 1] == 1.0
     assert torch.isnan(rewards[[0, 0, 1, 1], [1, 2, 0, 2]]).all()
+    assert parts["rollout/reward_exact"] == 1.0
     adv = estimators.get("rloo")(rewards)
     assert not adv.isnan().any() and adv[0, 0] == 0 and adv[1, 1] == 0  # one scorable sample per group
+
+
+def test_weighted_rewards_combine_and_clip():
+    from loorl.rewards import RewardComposer, WeightedReward
+
+    prompts = [Prompt("q", "4")]
+    right = WeightedReward(
+        "right", lambda prompts, completions, **_: [float(c == "4") for c in completions], 1.0
+    )
+    short = WeightedReward("short", lambda prompts, completions, **_: [-len(c) for c in completions], 0.5)
+    rewards, failures, _ = RewardComposer([right, short])(prompts, [["4", "44", "x"]])
+    assert failures == 0 and rewards.tolist() == [[0.5, -1.0, -0.5]]
+    clipped, _, _ = RewardComposer([right, short], clip=(-0.6, 0.4))(prompts, [["4", "44", "x"]])
+    assert clipped[0].tolist() == pytest.approx([0.4, -0.6, -0.5])
 
 
 def test_minibatches_keep_groups_together(tiny):

@@ -1,46 +1,134 @@
-"""Scoring completions safely: a reward that raises or returns None/NaN marks one sample unscorable."""
+"""Scoring completions: the task's verifier, reward models and custom functions, combined with weights.
+
+A reward function is any callable with TRL's signature,
+`fn(prompts: list[str], completions: list[str], **columns) -> list[float | None]`, where `columns`
+holds the dataset's other columns as lists (one value per sample). `conf/reward/*.yaml` names them:
+
+    functions:
+      correct: {fn: task, weight: 1.0}                       # the task's own verifier
+      short: {fn: {_target_: my.module.brevity, _partial_: true}, weight: 0.1}
+    clip: [-1, 1]                                            # optional, after combining
+
+A sample whose reward cannot be computed (the function raises for it, or returns None, NaN or
+inf) is unscorable: its combined reward is NaN, which the estimators leave out of every baseline,
+and it is counted. When a batched call raises, the function is called again one sample at a time
+so that one bad sample does not take its whole batch down.
+"""
 
 from __future__ import annotations
 
 import logging
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
-from loorl.tasks.base import Prompt
+from loorl.tasks.base import Prompt, Task
 
 log = logging.getLogger(__name__)
 
+RewardFn = Callable[..., Sequence[float | None]]
 
-def score_groups(
-    reward_fn: Callable[[Prompt, str], float | None],
-    prompts: Sequence[Prompt],
-    texts: Sequence[Sequence[str]],
-) -> tuple[torch.Tensor, int]:
-    """Rewards [B, K] with NaN for unscorable samples, and how many there were.
 
-    Failures are logged once per call (the first one's exception) and counted, never raised:
-    one bad sample must not kill a run that has been training for hours.
-    """
-    rewards = torch.full((len(prompts), len(texts[0])), float("nan"))  # [B, K]
-    failures, first_error = 0, None
-    for g, (prompt, group) in enumerate(zip(prompts, texts)):
-        for k, text in enumerate(group):
-            try:
-                value = reward_fn(prompt, text)
-                value = float("nan") if value is None else float(value)
-            except Exception as err:  # noqa: BLE001 - user reward code may raise anything
-                value, first_error = float("nan"), first_error or err
-            if math.isfinite(value):
-                rewards[g, k] = value
-            else:
-                failures += 1
-    if failures:
-        log.warning(
-            "%d of %d samples could not be scored (first error: %r)", failures, rewards.numel(), first_error
-        )
-    return rewards, failures
+@dataclass
+class WeightedReward:
+    name: str
+    fn: RewardFn
+    weight: float = 1.0
+
+
+def task_reward_fn(task: Task) -> RewardFn:
+    """The task's verifier with the TRL signature; `_prompt` carries the Prompt objects."""
+
+    def reward(prompts, completions, _prompt=None, **_columns):
+        return [task.reward(p, c) for p, c in zip(_prompt, completions)]
+
+    reward.__name__ = f"{task.name}_verifier"
+    reward.wants_prompt_objects = True
+    return reward
+
+
+def _as_float(value) -> float:
+    try:
+        value = float("nan") if value is None else float(value)
+    except (TypeError, ValueError):
+        return float("nan")
+    return value if math.isfinite(value) else float("nan")
+
+
+def _call(fn: RewardFn, prompts: list[Prompt], completions: list[str]) -> list[float]:
+    columns: dict[str, list] = {}
+    for key in sorted({k for p in prompts for k in p.meta}):
+        columns[key] = [p.meta.get(key) for p in prompts]
+    if getattr(fn, "wants_prompt_objects", False):
+        columns["_prompt"] = prompts
+    out = list(fn(prompts=[p.text for p in prompts], completions=completions, **columns))
+    if len(out) != len(completions):
+        raise ValueError(f"returned {len(out)} rewards for {len(completions)} completions")
+    return [_as_float(v) for v in out]
+
+
+def call_isolated(
+    fn: RewardFn, prompts: list[Prompt], completions: list[str]
+) -> tuple[list[float], Exception | None]:
+    """Rewards of a batch, NaN where unscorable; on a raising batch, retry sample by sample."""
+    try:
+        return _call(fn, prompts, completions), None
+    except Exception as err:  # noqa: BLE001 - user reward code may raise anything
+        first = err
+    values = []
+    for p, c in zip(prompts, completions):
+        try:
+            values.append(_call(fn, [p], [c])[0])
+        except Exception:  # noqa: BLE001
+            values.append(float("nan"))
+    return values, first
+
+
+class RewardComposer:
+    """Weighted sum of reward functions over a rollout's [B, K] completions."""
+
+    def __init__(self, functions: list[WeightedReward], *, clip: tuple[float, float] | None = None) -> None:
+        if not functions:
+            raise ValueError("reward.functions is empty: name at least one reward function")
+        self.functions, self.clip = functions, clip
+
+    def __call__(
+        self, prompts: Sequence[Prompt], texts: Sequence[Sequence[str]]
+    ) -> tuple[torch.Tensor, int, dict[str, float]]:
+        """Rewards [B, K] (NaN = unscorable), the unscorable count, and each function's mean."""
+        k = len(texts[0])
+        flat_prompts = [p for p in prompts for _ in range(k)]
+        flat_texts = [t for group in texts for t in group]
+        total = torch.zeros(len(flat_texts), dtype=torch.float64)  # [B*K]
+        parts = {}
+        for wr in self.functions:
+            values, error = call_isolated(wr.fn, flat_prompts, flat_texts)
+            v = torch.tensor(values, dtype=torch.float64)  # [B*K]
+            bad = int(v.isnan().sum())
+            if bad:
+                log.warning(
+                    "reward %s: %d of %d samples unscorable (first error: %r)", wr.name, bad, len(v), error
+                )
+            parts[f"rollout/reward_{wr.name}"] = float(v[~v.isnan()].mean()) if bad < len(v) else float("nan")
+            total += wr.weight * v
+        if self.clip is not None:
+            total = total.clamp(*self.clip)  # NaN stays NaN
+        rewards = total.float().view(len(prompts), k)  # [B, K]
+        return rewards, int(rewards.isnan().sum()), parts
+
+
+def build_composer(reward_cfg, task: Task) -> RewardComposer:
+    """From `conf/reward/*.yaml`: `fn: task` is the task's verifier, a dict is instantiated by Hydra."""
+    from hydra.utils import instantiate
+
+    functions = []
+    for name, spec in reward_cfg.functions.items():
+        fn = task_reward_fn(task) if spec.fn == "task" else instantiate(spec.fn)
+        functions.append(WeightedReward(name=name, fn=fn, weight=float(spec.get("weight", 1.0))))
+    clip = tuple(reward_cfg.clip) if reward_cfg.get("clip") is not None else None
+    return RewardComposer(functions, clip=clip)
 
 
 def correctness(is_correct: Callable[[Prompt, str], bool], prompts: Sequence[Prompt], texts) -> torch.Tensor:

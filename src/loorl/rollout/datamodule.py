@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from loorl import estimators
 from loorl.errors import ConfigError
 from loorl.losses import kl_per_token
-from loorl.rewards import correctness, score_groups
+from loorl.rewards import RewardComposer, WeightedReward, correctness, task_reward_fn
 from loorl.rollout.batch import RolloutBatch, assemble
 from loorl.rollout.engine import RolloutEngine
 from loorl.scoring import completion_logprobs
@@ -50,9 +50,18 @@ class RolloutSettings:
 
 
 class RolloutDataModule(L.LightningDataModule):
-    def __init__(self, *, task: Task, tokenizer, engine: RolloutEngine, settings: RolloutSettings) -> None:
+    def __init__(
+        self,
+        *,
+        task: Task,
+        tokenizer,
+        engine: RolloutEngine,
+        settings: RolloutSettings,
+        rewards: RewardComposer | None = None,
+    ) -> None:
         super().__init__()
         self.task, self.tokenizer, self.engine, self.settings = task, tokenizer, engine, settings
+        self.rewards = rewards or RewardComposer([WeightedReward("task", task_reward_fn(task))])
         self.last_rollout: RolloutBatch | None = None
         self.last_stats: dict[str, float] = {}
 
@@ -90,7 +99,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.engine.sleep()
         texts = [[self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in g] for g in groups]
 
-        rewards, failures = score_groups(self.task.reward, prompts, texts)  # [B, K]
+        rewards, failures, reward_parts = self.rewards(prompts, texts)  # [B, K]
         finished = torch.tensor([[c.finished for c in g] for g in groups])  # [B, K]
         if s.truncated == "zero":
             rewards = torch.where(finished | rewards.isnan(), rewards, torch.zeros_like(rewards))
@@ -137,6 +146,7 @@ class RolloutDataModule(L.LightningDataModule):
             "rollout/advantage_abs_mean": float(batch.advantages.abs().mean()),
             "perf/gen_tokens_per_s": float(lengths.sum()) / max(gen_seconds, 1e-9),
             "perf/gen_seconds": gen_seconds,
+            **(reward_parts if len(reward_parts) > 1 else {}),
         }
         if kl_seq is not None:
             self.last_stats["rollout/kl"] = float(kl_seq.mean())
