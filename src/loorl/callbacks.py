@@ -26,9 +26,10 @@ class RunSummary(L.Callback):
     is sampled from the policy after s updates, the validation after epoch s from the one after s+1.
     """
 
-    def __init__(self, output_dir: str, title: str = "loorl run") -> None:
+    def __init__(self, output_dir: str, title: str = "loorl run", pass_k: int = 0) -> None:
         self.output_dir = Path(output_dir)
         self.title = title
+        self.pass_k = pass_k
         self.history: dict[str, list[tuple[int, float]]] = {}
         self.started = time.perf_counter()
         self.summary_text = ""
@@ -40,7 +41,9 @@ class RunSummary(L.Callback):
         if trainer.sanity_checking or "val/accuracy" not in trainer.callback_metrics:
             return
         step = trainer.current_epoch + 1 if trainer.state.fn == "fit" else trainer.global_step
-        self._record("val/accuracy", step, trainer.callback_metrics["val/accuracy"])
+        for key in ("val/accuracy", "val/pass_at_k"):
+            if key in trainer.callback_metrics:
+                self._record(key, step, trainer.callback_metrics[key])
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         epoch_values = {}  # a metric logged on step and epoch appears as `x`, `x_step` and `x_epoch`
@@ -70,6 +73,9 @@ class RunSummary(L.Callback):
             "train_tokens_per_s": _mean(self.series("perf/train_tokens_per_s")),
         }
         out["val_accuracy_gain"] = out["val_accuracy_end"] - out["val_accuracy_start"]
+        pass_k = self.series("val/pass_at_k")
+        out["val_pass_at_k_start"] = pass_k[0] if pass_k else float("nan")
+        out["val_pass_at_k_end"] = pass_k[-1] if pass_k else float("nan")
         return out
 
     def markdown(self, s: dict[str, float]) -> str:
@@ -82,6 +88,10 @@ class RunSummary(L.Callback):
         rows = [
             ("RL steps (optimizer steps)", f"{s['rl_steps']} ({s['optimizer_steps']})"),
             ("held-out greedy accuracy", f"{pct(s['val_accuracy_start'])} -> {pct(s['val_accuracy_end'])}"),
+            (
+                f"held-out pass@{self.pass_k} (sampled)",
+                f"{pct(s['val_pass_at_k_start'])} -> {pct(s['val_pass_at_k_end'])}",
+            ),
             ("reward (first -> last steps)", f"{num(s['reward_first'])} -> {num(s['reward_last'])}"),
             ("KL to reference (last step)", num(s["kl_last"], ".4f")),
             ("wall time", f"{s['wall_seconds']:.1f} s"),

@@ -65,6 +65,10 @@ def _one_of(key: str, value, choices) -> None:
 
 def check_config(cfg: DictConfig) -> None:
     """Raise ConfigError naming the setting and the fix for the first bad setting found."""
+    if "data" in cfg and OmegaConf.is_missing(cfg.data, "path"):
+        raise ConfigError(
+            f"data.path is not set: point it at the {cfg.task.name} data (data.path=/path/to/file_or_dir)"
+        )
     est = cfg.estimator.name
     if est not in estimators.names():
         raise ConfigError(
@@ -72,6 +76,8 @@ def check_config(cfg: DictConfig) -> None:
         )
     _positive(cfg, "rl.steps", "rl.prompts_per_step", "rl.samples_per_prompt", "rl.prompts_per_minibatch")
     _positive(cfg, "rl.prompts_per_microbatch", "rl.epochs_per_rollout", "val_every")
+    if _number(cfg, "val_pass_k") < 0:
+        raise ConfigError(f"val_pass_k={cfg.val_pass_k} must be >= 0 (0 turns sampled pass@k off)")
     k, k_min = cfg.rl.samples_per_prompt, estimators.min_group_size(est)
     if k < k_min:
         raise ConfigError(
@@ -115,8 +121,47 @@ def check_config(cfg: DictConfig) -> None:
         )
     if cfg.loss.tis_cap is not None and _number(cfg, "loss.tis_cap") <= 0:
         raise ConfigError(f"loss.tis_cap={cfg.loss.tis_cap} must be > 0, or null to turn the correction off")
+    check_rewards(cfg)
     check_model_reachable(cfg.model)
     check_vllm_can_run(cfg)
+
+
+def check_rewards(cfg: DictConfig) -> None:
+    """Every reward function must be importable and every reward-model path set and present."""
+    import importlib
+
+    from loorl.models import looks_like_local_path
+
+    functions = cfg.reward.functions
+    if not functions:
+        raise ConfigError("reward.functions is empty: name at least one reward function (see conf/reward/)")
+    for name, spec in functions.items():
+        key = f"reward.functions.{name}"
+        if "weight" in spec:
+            _number(cfg, f"{key}.weight")
+        fn = spec.get("fn")
+        if fn == "task":
+            continue
+        if not isinstance(fn, DictConfig) or "_target_" not in fn:
+            raise ConfigError(f"{key}.fn must be `task` or a {{_target_: module.callable}} mapping")
+        module, _, attr = str(fn._target_).rpartition(".")
+        try:
+            getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError, ValueError):
+            raise ConfigError(
+                f"{key}.fn._target_={fn._target_} cannot be imported: check the module path"
+            ) from None
+        if "path" in fn:
+            if OmegaConf.is_missing(fn, "path"):
+                raise ConfigError(
+                    f"{key}.fn.path is not set: point it at the reward model ({key}.fn.path=/path)"
+                )
+            path = str(fn.path)
+            if looks_like_local_path(path) and not (Path(path).expanduser() / "config.json").exists():
+                raise ConfigError(f"{key}.fn.path={path} is not a model directory (no config.json there)")
+    clip = cfg.reward.get("clip")
+    if clip is not None and (len(clip) != 2 or not clip[0] < clip[1]):
+        raise ConfigError(f"reward.clip={list(clip)} must be [low, high] with low < high, or null")
 
 
 def model_head_dim(model_cfg: DictConfig) -> int:

@@ -63,7 +63,7 @@ def tiny_cache_key(tiny_cfg: DictConfig, task_cfg: DictConfig) -> str:
         {
             "version": TINY_BUILD_VERSION,
             "tiny": OmegaConf.to_container(tiny_cfg, resolve=True),
-            "task": OmegaConf.to_container(task_cfg),
+            "task": OmegaConf.to_container(task_cfg, resolve=True),
         },
         sort_keys=True,
     )
@@ -102,6 +102,7 @@ def warm_start(policy, tokenizer, task: Task, *, steps: int, batch_size: int, lr
     torch.manual_seed(seed)
     rng = np.random.default_rng(seed)
     opt = torch.optim.AdamW(policy.parameters(), lr=lr)
+    max_len = policy.config.max_position_embeddings
     policy.train()
     loss = torch.tensor(float("nan"))
     for _ in tqdm(range(steps), desc="tiny model warm start (SFT)", leave=False):
@@ -110,8 +111,14 @@ def warm_start(policy, tokenizer, task: Task, *, steps: int, batch_size: int, lr
         for prompt, answer in pairs:
             p = tokenizer(prompt, add_special_tokens=False).input_ids
             a = tokenizer(answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+            if len(p) + len(a) > max_len:  # longer than the model's positions: skipped
+                continue
             seqs.append(p + a)
             masks.append([0] * len(p) + [1] * len(a))
+        if not seqs:
+            raise ConfigError(
+                f"no warm-start example fits model.tiny.max_position_embeddings={max_len}: raise it"
+            )
         width = max(map(len, seqs))
         ids = torch.full((len(seqs), width), tokenizer.pad_token_id)  # [B, L] right-padded
         target_mask = torch.zeros(len(seqs), width)  # [B, L]

@@ -66,6 +66,7 @@ class PolicyGradientModule(L.LightningModule):
         ref_dtype: str = "float32",
         attn_implementation: str | None = None,
         gradient_checkpointing: bool = False,
+        ref_offload: bool = False,
         optimizer,  # a partial: optimizer(params) -> torch.optim.Optimizer
         temperature: float = 1.0,
         loss: LossSettings,
@@ -75,6 +76,7 @@ class PolicyGradientModule(L.LightningModule):
         self.model_path, self.dtype_name, self.ref_dtype = model_path, dtype, ref_dtype
         self.attn_implementation = attn_implementation
         self.gradient_checkpointing = gradient_checkpointing
+        self.ref_offload = ref_offload  # keep the frozen reference in CPU memory (scored there)
         self.optimizer_factory = optimizer
         self.temperature, self.loss_cfg, self.kl = temperature, loss, kl
         self.kl_controller = (
@@ -87,6 +89,7 @@ class PolicyGradientModule(L.LightningModule):
         self.policy = None
         self.reference = None
         self.val_accuracy = MeanMetric()
+        self.val_pass_k = MeanMetric()
         self.reward_mean = MeanMetric()
 
     # ---- models --------------------------------------------------------------------------------
@@ -99,12 +102,17 @@ class PolicyGradientModule(L.LightningModule):
         if self.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
         if self.kl.needs_reference:
-            self.reference = load_causal_lm(
+            reference = load_causal_lm(
                 self.model_path,
                 dtype=self.ref_dtype,
                 attn_implementation=self.attn_implementation,
                 trainable=False,
             )
+            if self.ref_offload:
+                # not registered as a submodule: Lightning leaves it on the CPU, checkpoints skip it
+                object.__setattr__(self, "reference", reference)
+            else:
+                self.reference = reference
 
     def configure_optimizers(self):
         params = [p for p in self.trainer.model.parameters() if p.requires_grad]
@@ -219,9 +227,12 @@ class PolicyGradientModule(L.LightningModule):
 
     # ---- held-out evaluation -------------------------------------------------------------------
     def validation_step(self, prompts, batch_idx: int) -> None:
-        correct = self.trainer.datamodule.greedy_correct(self.policy, prompts)
+        correct, pass_k = self.trainer.datamodule.evaluate(self.policy, prompts)
         self.val_accuracy.update(correct)
         self.log("val/accuracy", self.val_accuracy, on_step=False, on_epoch=True, prog_bar=True)
+        if pass_k is not None:
+            self.val_pass_k.update(pass_k)
+            self.log("val/pass_at_k", self.val_pass_k, on_step=False, on_epoch=True)
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

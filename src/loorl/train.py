@@ -13,8 +13,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from loorl.callbacks import HFExport, RunSummary
 from loorl.config import check_config
+from loorl.errors import ConfigError
 from loorl.models import load_tokenizer, resolve_model_path
 from loorl.module import KLSettings, LossSettings, PolicyGradientModule
+from loorl.rewards import build_composer
 from loorl.rollout.datamodule import RolloutDataModule, RolloutSettings
 from loorl.rollout.factory import build_engine
 
@@ -32,12 +34,16 @@ def build_datamodule(cfg: DictConfig, task, tokenizer, model_path: str) -> Rollo
         truncated=cfg.rollout.truncated,
         max_prompt_length=cfg.rollout.max_prompt_length,
         eval_batch_size=cfg.rollout.eval_batch_size,
+        pass_k=cfg.val_pass_k,
         seed=cfg.seed,
     )
     engine = build_engine(
         cfg.rollout, tokenizer, model_path=model_path, model_dtype=cfg.model.dtype, seed=cfg.seed
     )
-    return RolloutDataModule(task=task, tokenizer=tokenizer, engine=engine, settings=settings)
+    rewards = build_composer(cfg.reward, task)
+    return RolloutDataModule(
+        task=task, tokenizer=tokenizer, engine=engine, settings=settings, rewards=rewards
+    )
 
 
 def build_module(cfg: DictConfig, model_path: str) -> PolicyGradientModule:
@@ -47,6 +53,7 @@ def build_module(cfg: DictConfig, model_path: str) -> PolicyGradientModule:
         ref_dtype=cfg.model.ref_dtype,
         attn_implementation=cfg.model.attn_implementation,
         gradient_checkpointing=cfg.model.gradient_checkpointing,
+        ref_offload=cfg.model.get("ref_offload", False),
         optimizer=instantiate(cfg.optimizer),
         temperature=cfg.rollout.temperature,
         loss=LossSettings(
@@ -63,6 +70,21 @@ def build_module(cfg: DictConfig, model_path: str) -> PolicyGradientModule:
     )
 
 
+def instantiate_unwrapped(node):
+    """Hydra wraps exceptions raised in a target; a ConfigError must reach the user as itself."""
+    from hydra.errors import InstantiationException
+
+    try:
+        return instantiate(node)
+    except InstantiationException as err:
+        cause = err.__cause__
+        while cause is not None and not isinstance(cause, ConfigError):
+            cause = cause.__cause__
+        if cause is not None:
+            raise cause from None
+        raise
+
+
 def train(cfg: DictConfig) -> dict[str, float]:
     """Check the config, build everything, validate once (step 0), train, write the outputs."""
     check_config(cfg)
@@ -71,13 +93,17 @@ def train(cfg: DictConfig) -> dict[str, float]:
     OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
     L.seed_everything(cfg.seed, workers=True)
 
-    task = instantiate(cfg.task)
+    task = instantiate_unwrapped(cfg.task)
     model_path = resolve_model_path(cfg.model, cfg.task, task)
     tokenizer = load_tokenizer(model_path)
     datamodule = build_datamodule(cfg, task, tokenizer, model_path)
     module = build_module(cfg, model_path)
 
-    summary = RunSummary(str(output_dir), title=f"{cfg.estimator.name} on {cfg.task.name} ({cfg.model.name})")
+    summary = RunSummary(
+        str(output_dir),
+        title=f"{cfg.estimator.name} on {cfg.task.name} ({cfg.model.name})",
+        pass_k=cfg.val_pass_k,
+    )
     callbacks = [summary]
     if cfg.checkpoint_every:
         callbacks.append(
@@ -97,8 +123,6 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
 def main(cfg: DictConfig) -> dict[str, float]:
     """The CLI: a bad setting prints one `error:` line and exits 2."""
-    from loorl.errors import ConfigError
-
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         return train(cfg)

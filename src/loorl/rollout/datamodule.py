@@ -42,6 +42,7 @@ class RolloutSettings:
     truncated: str = "score"  # completions cut by the length limit: score | zero | mask
     max_prompt_length: int = 512
     eval_batch_size: int = 256
+    pass_k: int = 0  # validation: sampled pass@k besides greedy accuracy; 0: off
     seed: int = 0
 
     @property
@@ -78,10 +79,12 @@ class RolloutDataModule(L.LightningDataModule):
 
     def prompts_for_step(self, step: int) -> list[Prompt]:
         """The step's prompts, a pure function of (seed, step): a resumed run draws the same ones."""
-        rng = np.random.default_rng([self.settings.seed, step])
-        return self.task.train_prompts(self.settings.prompts_per_step, rng=rng)
+        return self.task.prompts_for_step(step, self.settings.prompts_per_step, seed=self.settings.seed)
 
     def setup(self, stage: str) -> None:
+        if not getattr(self, "_prepared", False):
+            self.task.prepare(self.tokenizer, max_prompt_length=self.settings.max_prompt_length)
+            self._prepared = True
         self.eval_prompts = self.task.eval_prompts()
         self.encode_prompts(self.eval_prompts)  # fail early on over-long prompts
 
@@ -118,7 +121,10 @@ class RolloutDataModule(L.LightningDataModule):
         shaped = batch.rewards  # [N] the reward the estimator sees
         kl_seq = None
         if module.reference is not None:
-            batch.ref_logprobs = completion_logprobs(module.reference, batch, temperature=module.temperature)
+            ref_device = next(module.reference.parameters()).device  # the CPU when offloaded
+            batch.ref_logprobs = completion_logprobs(
+                module.reference, batch.to(ref_device), temperature=module.temperature
+            ).to(module.device)
             kl_tok = kl_per_token(batch.sampler_logprobs, batch.ref_logprobs, estimator=module.kl.estimator)
             kl_seq = (kl_tok * mask).sum(-1)  # [N]
             if module.kl.in_reward:
@@ -179,10 +185,19 @@ class RolloutDataModule(L.LightningDataModule):
         return DataLoader(self.eval_prompts, batch_size=self.settings.eval_batch_size, collate_fn=list)
 
     @torch.no_grad()
-    def greedy_correct(self, policy, prompts: list[Prompt]) -> torch.Tensor:
-        """1.0 where the greedy completion is correct, [len(prompts)]."""
+    def evaluate(self, policy, prompts: list[Prompt]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Greedy correctness [n] and, with `pass_k` > 0, whether any of k samples is correct [n]."""
         self.engine.sync(policy, version=self.trainer.global_step if self.trainer else None)
-        groups = self.engine.generate(self.encode_prompts(prompts), n=1, greedy=True)
+        ids = self.encode_prompts(prompts)
+        greedy = self.engine.generate(ids, n=1, greedy=True)
+        greedy_texts = [[self.tokenizer.decode(g[0].token_ids, skip_special_tokens=True)] for g in greedy]
+        correct = correctness(self.task.is_correct, prompts, greedy_texts).view(-1)  # [n]
+        pass_k = None
+        if self.settings.pass_k > 0:
+            groups = self.engine.generate(ids, n=self.settings.pass_k)
+            texts = [
+                [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in g] for g in groups
+            ]
+            pass_k = correctness(self.task.is_correct, prompts, texts).amax(-1)  # [n]
         self.engine.sleep()
-        texts = [self.tokenizer.decode(g[0].token_ids, skip_special_tokens=True) for g in groups]
-        return correctness(self.task.is_correct, prompts, [[t] for t in texts]).view(-1)
+        return correct, pass_k

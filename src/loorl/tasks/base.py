@@ -26,6 +26,14 @@ class Task(ABC):
     def train_prompts(self, n: int, *, rng: np.random.Generator) -> list[Prompt]:
         """`n` training prompts drawn with `rng` (seeded per step, so a resumed run sees the same prompts)."""
 
+    def prepare(self, tokenizer, *, max_prompt_length: int) -> None:
+        """Called once the policy's tokenizer is known (chat templates, length filtering)."""
+        return None
+
+    def prompts_for_step(self, step: int, n: int, *, seed: int) -> list[Prompt]:
+        """The prompts of RL step `step`: a pure function of (seed, step), so a resumed run draws the same."""
+        return self.train_prompts(n, rng=np.random.default_rng([seed, step]))
+
     @abstractmethod
     def eval_prompts(self) -> list[Prompt]:
         """The fixed held-out set for greedy accuracy."""
