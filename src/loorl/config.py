@@ -151,7 +151,7 @@ def check_rewards(cfg: DictConfig) -> None:
             raise ConfigError(
                 f"{key}.fn._target_={fn._target_} cannot be imported: check the module path"
             ) from None
-        if "path" in fn:
+        if "path" in fn.keys():  # `in fn` is False for a missing (???) value
             if OmegaConf.is_missing(fn, "path"):
                 raise ConfigError(
                     f"{key}.fn.path is not set: point it at the reward model ({key}.fn.path=/path)"

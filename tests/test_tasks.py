@@ -1,0 +1,218 @@
+"""GSM8K and MATH tasks on fixture data, reward models, custom rewards and hub-architecture models."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hydra.utils import instantiate
+
+from conftest import QUICK, compose_cfg
+from fixtures import write_gsm8k, write_math
+from loorl.config import CONF_DIR
+from loorl.errors import ConfigError
+from loorl.models import build_char_tokenizer, ensure_tiny_model
+from loorl.train import train
+
+REPO = CONF_DIR.parent
+# a quick RL run on the data-set tasks; completions stay short so the tests stay fast
+BASE = [o for o in QUICK if not o.startswith("task.")]
+DATA_QUICK = [*BASE, "rollout.max_new_tokens=24", "val_pass_k=2", "model.tiny.warm_start.steps=60"]
+
+
+@pytest.fixture(scope="module")
+def gsm8k_dir(tmp_path_factory):
+    return write_gsm8k(tmp_path_factory.mktemp("gsm8k"))
+
+
+@pytest.fixture(scope="module")
+def math_dir(tmp_path_factory):
+    return write_math(tmp_path_factory.mktemp("math"))
+
+
+def _cfg(model_cache, out, *extra):
+    return compose_cfg([*DATA_QUICK, f"model.cache_dir={model_cache}", f"output_dir={out}", *extra])
+
+
+def _history(out):
+    return json.loads((out / "metrics.json").read_text())["history"]
+
+
+@pytest.fixture(scope="module")
+def gsm8k_model(gsm8k_dir, model_cache):
+    """A tiny model warm-started on the GSM8K fixture, saved as an ordinary local HF directory."""
+    cfg = _cfg(model_cache, "/tmp/unused", "task=gsm8k", f"data.path={gsm8k_dir}")
+    return ensure_tiny_model(cfg.model, cfg.task, instantiate(cfg.task))
+
+
+def test_gsm8k_task_prompts_rewards_and_epochs(gsm8k_dir, tmp_path):
+    cfg = _cfg(tmp_path, tmp_path, "task=gsm8k", f"data.path={gsm8k_dir}", "task.format_score=0.1")
+    task = instantiate(cfg.task)
+    task.prepare(build_char_tokenizer(), max_prompt_length=cfg.rollout.max_prompt_length)
+    p = task.eval_prompts()[0]
+    assert p.text.endswith('output the final answer after "####".') and p.meta["question"] in p.text
+    assert task.reward(p, f"so {p.answer}\n#### {p.answer}") == 1.0
+    assert task.reward(p, f"#### {int(p.answer) + 1}") == pytest.approx(0.1)  # well-formed, wrong
+    assert task.reward(p, p.answer) == 0.0  # strict mode needs ####
+    assert len(task.eval_prompts()) == 16
+    # epochs over the 64 training prompts: each once per epoch, in a seeded order
+    first = [q.text for s in range(8) for q in task.prompts_for_step(s, 8, seed=0)]
+    assert sorted(first) == sorted(q.text for q in task.train)
+    assert task.prompts_for_step(3, 8, seed=0) == task.prompts_for_step(3, 8, seed=0)
+    assert task.prompts_for_step(8, 8, seed=0) != task.prompts_for_step(0, 8, seed=0)
+
+
+def test_long_prompts_are_filtered_and_counted_or_refused(gsm8k_dir, tmp_path):
+    cfg = _cfg(tmp_path, tmp_path, "task=gsm8k", f"data.path={gsm8k_dir}")
+    task = instantiate(cfg.task)
+    lengths = sorted(len(q.text) for q in task.train)
+    limit = lengths[len(lengths) // 2]  # the character tokenizer: one token per character
+    task.prepare(build_char_tokenizer(), max_prompt_length=limit)
+    assert 0 < task.dropped["train"] < 64 and len(task.train) == 64 - task.dropped["train"]
+    assert all(len(q.text) <= limit for q in task.train)
+    strict = instantiate(
+        _cfg(tmp_path, tmp_path, "task=gsm8k", f"data.path={gsm8k_dir}", "task.on_long_prompt=error").task
+    )
+    with pytest.raises(ConfigError, match="rollout.max_prompt_length"):
+        strict.prepare(build_char_tokenizer(), max_prompt_length=limit)
+
+
+def test_chat_template_renders_prompts(gsm8k_dir, tmp_path):
+    tok = build_char_tokenizer()
+    tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
+    task = instantiate(
+        _cfg(tmp_path, tmp_path, "task=gsm8k", f"data.path={gsm8k_dir}", "task.system_prompt=Be brief.").task
+    )
+    task.prepare(tok, max_prompt_length=1000)
+    text = task.eval_prompts()[0].text
+    assert text.startswith("<system>Be brief.\n<user>") and text.endswith("\n<assistant>")
+
+
+def test_math_task_boxed_answers(math_dir, tmp_path):
+    task = instantiate(_cfg(tmp_path, tmp_path, "task=math", f"data.path={math_dir}").task)
+    p = task.eval_prompts()[0]
+    num, den = p.meta["question"].split()[2].split("/")  # "What is a/(a*b) as a fraction?"
+    b = int(den) // int(num)
+    assert task.reward(p, f"The answer is $\\boxed{{\\dfrac{{1}}{{{b}}}}}$") == 1.0
+    assert task.reward(p, f"\\boxed{{1/{b}}}") == 1.0
+    assert task.reward(p, f"\\boxed{{{1 / b}}}") == (1.0 if b in (1, 2, 4, 5, 8) else 0.0)
+    assert task.reward(p, "\\boxed{7}") == 0.0 and task.reward(p, "1/2") == 0.0
+
+
+def test_missing_data_path_fails_before_any_model(tmp_path):
+    for extra in (["task=gsm8k"], ["task=math", f"data.path={tmp_path}/nope.jsonl"]):
+        with pytest.raises(ConfigError) as err:
+            train(_cfg(tmp_path / "cache", tmp_path / "out", *extra))
+        assert "data.path" in str(err.value) and "\n" not in str(err.value)
+        assert not (tmp_path / "cache").exists()
+
+
+def test_gsm8k_cli_end_to_end_with_the_real_verifier(gsm8k_dir, gsm8k_model, tmp_path):
+    """`python src/train.py task=gsm8k model.name_or_path=<local tiny> data.path=<fixture>`."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "src/train.py", "task=gsm8k", f"model.name_or_path={gsm8k_model}",
+           f"data.path={gsm8k_dir}", *DATA_QUICK, f"output_dir={out}"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env={**os.environ})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "rloo on gsm8k" in proc.stdout and "pass@2" in proc.stdout
+    history = _history(out)
+    rewards = [v for _, v in history["rollout/reward"]]
+    assert len(rewards) == 4 and all(0.0 <= v <= 1.0 for v in rewards)
+    assert [s for s, _ in history["val/pass_at_k"]] == [0, 2, 4]
+
+
+def test_two_weighted_reward_functions_end_to_end(gsm8k_dir, gsm8k_model, tmp_path):
+    summary = train(_cfg(tmp_path / "c", tmp_path, "task=gsm8k", f"model.name_or_path={gsm8k_model}",
+                         f"data.path={gsm8k_dir}", "reward=custom", "rl.steps=2"))  # fmt: skip
+    history = _history(tmp_path)
+    assert {"rollout/reward_correct", "rollout/reward_brevity"} <= set(history)
+    totals = [v for _, v in history["rollout/reward"]]
+    assert all(-1.0 <= v <= 1.0 for v in totals)  # reward.clip=[-1, 1]
+    assert all(0.0 <= v <= 1.0 for _, v in history["rollout/reward_correct"])
+    assert all(v <= 0.0 for _, v in history["rollout/reward_brevity"])  # a penalty
+    assert summary["optimizer_steps"] == 2
+
+
+def _tiny_reward_model(path):
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    tok = build_char_tokenizer()
+    tok.padding_side = "right"
+    tok.chat_template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=1, num_key_value_heads=1, num_labels=1,
+                         pad_token_id=tok.pad_token_id, max_position_embeddings=512)  # fmt: skip
+    Qwen2ForSequenceClassification(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_reward_model_scores_match_a_direct_forward_pass(tmp_path):
+    from transformers import AutoModelForSequenceClassification
+
+    from loorl.reward_model import RewardModel
+
+    path = _tiny_reward_model(tmp_path / "rm")
+    rm = RewardModel(path=str(path), batch_size=2)
+    completions = ["#### 4", "I think it is 5, so #### 5", "x"]
+    scores = rm(prompts=["p1", "p2", "p3"], completions=completions, question=["2+2?", "2+3?", "?"])
+    direct = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    for question, completion, score in zip(["2+2?", "2+3?", "?"], completions, scores):
+        text = f"[user]{question}[assistant]{completion}"
+        ids = rm.tokenizer(text, return_tensors="pt", add_special_tokens=False)
+        with torch.no_grad():
+            assert direct(**ids).logits[0, 0].item() == pytest.approx(score, abs=1e-5)
+    assert len(set(scores)) == 3
+
+
+def test_reward_model_run_end_to_end(gsm8k_dir, gsm8k_model, tmp_path):
+    rm = _tiny_reward_model(tmp_path / "rm")
+    summary = train(_cfg(tmp_path / "c", tmp_path / "out", "task=gsm8k", f"model.name_or_path={gsm8k_model}",
+                         f"data.path={gsm8k_dir}", "reward=model", f"reward.functions.rm.fn.path={rm}",
+                         "rl.steps=2"))  # fmt: skip
+    rewards = [v for _, v in _history(tmp_path / "out")["rollout/reward"]]
+    assert len(rewards) == 2 and all(math.isfinite(v) for v in rewards)
+    assert not all(v in (0.0, 1.0) for v in rewards)  # real-valued scores, not the verifier's
+    assert summary["optimizer_steps"] == 2
+
+
+def test_reward_model_path_is_checked_before_loading(tmp_path):
+    for extra, words in (
+        (["reward=model"], "is not set"),
+        (["reward=model", "reward.functions.rm.fn.path=/no/rm"], "/no/rm"),
+    ):
+        with pytest.raises(ConfigError, match=words):
+            train(_cfg(tmp_path / "cache", tmp_path / "out", *extra))
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("hub", ["qwen05b", "llama8b"])
+def test_hub_model_config_runs_with_a_local_model_of_its_architecture(hub, tmp_path, model_cache):
+    """The hub configs' code path (bf16 policy and reference, gradient checkpointing, reference offload)
+    on a locally built model of the same architecture; only the weights differ."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    tok = build_char_tokenizer()
+    arch = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 1,
+            "num_key_value_heads": 1, "vocab_size": len(tok), "pad_token_id": tok.pad_token_id,
+            "eos_token_id": tok.eos_token_id, "max_position_embeddings": 256}  # fmt: skip
+    model = (
+        LlamaForCausalLM(LlamaConfig(**arch)) if hub == "llama8b" else Qwen2ForCausalLM(Qwen2Config(**arch))
+    )
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    hub_base = [o for o in BASE if not o.startswith("model.tiny")]
+    cfg = compose_cfg([*hub_base, f"model={hub}", f"model.name_or_path={tmp_path / 'm'}", "rl.steps=2",
+                       "rl.samples_per_prompt=4", "rl.prompts_per_step=8", "rl.prompts_per_minibatch=8",
+                       "rl.prompts_per_microbatch=4", f"output_dir={tmp_path / 'out'}"])  # fmt: skip
+    assert cfg.model.dtype == "bfloat16" and cfg.model.gradient_checkpointing and cfg.kl.coef > 0
+    summary = train(cfg)
+    history = _history(tmp_path / "out")
+    assert summary["optimizer_steps"] == 2 and "rollout/kl" in history
+    assert all(math.isfinite(v) for _, v in history["train/loss"])
