@@ -93,6 +93,7 @@ class RewardComposer:
         if not functions:
             raise ValueError("reward.functions is empty: name at least one reward function")
         self.functions, self.clip = functions, clip
+        self.warned: set[str] = set()
 
     def __call__(
         self, prompts: Sequence[Prompt], texts: Sequence[Sequence[str]]
@@ -108,8 +109,16 @@ class RewardComposer:
             v = torch.tensor(values, dtype=torch.float64)  # [B*K]
             bad = int(v.isnan().sum())
             if bad:
-                log.warning(
-                    "reward %s: %d of %d samples unscorable (first error: %r)", wr.name, bad, len(v), error
+                # once per function at warning level; the count is logged every step (rollout/unscorable)
+                level = logging.DEBUG if wr.name in self.warned else logging.WARNING
+                self.warned.add(wr.name)
+                log.log(
+                    level,
+                    "reward %s: %d of %d samples unscorable (first error: %r)",
+                    wr.name,
+                    bad,
+                    len(v),
+                    error,
                 )
             parts[f"rollout/reward_{wr.name}"] = float(v[~v.isnan()].mean()) if bad < len(v) else float("nan")
             total += wr.weight * v
