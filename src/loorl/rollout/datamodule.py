@@ -137,13 +137,10 @@ class RolloutDataModule(L.LightningDataModule):
 
         lengths = torch.tensor([[len(c.token_ids) for c in g] for g in groups], dtype=torch.float)  # [B, K]
         scorable = ~rewards.isnan()  # [B, K]
-        group_std = torch.stack(
-            [r[ok].std() if ok.sum() > 1 else torch.tensor(0.0) for r, ok in zip(rewards, scorable)]
-        )  # [B]
-        valid = rewards[scorable]
+        group_std = estimators.masked_std(rewards, scorable, dim=-1)  # [B] 0 with < 2 scorable
+        # (the reward mean is logged by the module as `rollout/reward`, a torchmetrics MeanMetric)
         self.last_stats = {
-            "rollout/reward_mean": float(valid.mean()) if valid.numel() else float("nan"),
-            "rollout/reward_std": float(valid.std()) if valid.numel() > 1 else 0.0,
+            "rollout/reward_std": float(estimators.masked_std(rewards, scorable)),
             "rollout/accuracy": float(correct.mean()),
             "rollout/completion_len": float(lengths.mean()),
             "rollout/truncated_frac": float((~finished).float().mean()),
@@ -157,9 +154,7 @@ class RolloutDataModule(L.LightningDataModule):
         if kl_seq is not None:
             self.last_stats["rollout/kl"] = float(kl_seq.mean())
             self.last_stats["rollout/kl_coef"] = float(module.kl_controller.value)
-            module.kl_controller.update(
-                float(kl_seq.mean()), n_steps=s.prompts_per_step * s.samples_per_prompt
-            )
+            module.kl_controller.update(self.last_stats["rollout/kl"], n_steps=len(kl_seq))
         self.last_rollout = batch
         return batch
 
