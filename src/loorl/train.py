@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 
@@ -19,8 +18,6 @@ from loorl.module import KLSettings, LossSettings, PolicyGradientModule
 from loorl.rewards import build_composer
 from loorl.rollout.datamodule import RolloutDataModule, RolloutSettings
 from loorl.rollout.factory import build_engine
-
-log = logging.getLogger("loorl")
 
 
 def build_datamodule(cfg: DictConfig, task, tokenizer, model_path: str) -> RolloutDataModule:
