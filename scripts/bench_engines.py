@@ -94,7 +94,7 @@ def main() -> None:
                 for a, b in rng.integers(0, 30, (args.prompts, 2))
             ]
             sampling = SamplingConfig(max_new_tokens=args.max_new_tokens)
-            ids = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
+            ids = {"eos_token_ids": [tok.eos_token_id], "pad_token_id": tok.pad_token_id}
             for engine_name in args.engines:
                 t0 = time.perf_counter()
                 if engine_name == "hf":

@@ -61,8 +61,29 @@ CASES = [
     (["rollout.truncated=bogus"], "rollout.truncated", ["bogus", "score", "zero", "mask"]),
     (["loss.agg=bogus"], "loss.agg", ["bogus", "token-mean"]),
     (["loss.ratio_level=bogus"], "loss.ratio_level", ["token", "sequence"]),
+    (["loss.ratio_level=sequence"], "loss.ratio_level=sequence", ["seq-mean-token-mean", "experiment=gspo"]),
+    (["estimator=dr_grpo", "rl.samples_per_prompt=1"], "rl.samples_per_prompt=1", ["K >= 2"]),
+    (["estimator=reinforce_pp_baseline", "rl.samples_per_prompt=1"], "rl.samples_per_prompt", ["K >= 2"]),
+    (["model.master_dtype=bfloat16"], "model.master_dtype=bfloat16", ["model.master_dtype=float32"]),
     (["loss.clip_low=-0.1"], "loss.clip_low", []),
     (["kl.estimator=k9"], "kl.estimator", ["k9", "k3"]),
+    (["kl.estimator=abs"], "kl.estimator", ["abs", "k1", "k2", "k3"]),
+    (["kl.coef=0.1", "kl.estimator=abs"], "kl.estimator", ["abs", "k1", "k2", "k3"]),
+    (
+        ["kl.coef=0.1", "kl.in_reward=false", "kl.estimator=k1"],
+        "kl.estimator=k1",
+        ["kl.in_reward=false", "gradient 0", "kl.estimator=k2", "kl.estimator=k3"],
+    ),
+    (
+        ["kl.coef=0.1", "kl.estimator=k3"],
+        "kl.estimator=k3",
+        ["kl.in_reward=true", "kl.estimator=k1", "KL(ref||pi)"],
+    ),
+    (
+        ["kl.coef=0.1", "kl.adaptive=true", "kl.estimator=k2"],
+        "kl.estimator=k2",
+        ["kl.in_reward=true", "kl.estimator=k1"],
+    ),
     (["kl.coef=-1"], "kl.coef", ["-1"]),
     (["kl.adaptive=true", "kl.coef=0"], "kl.coef", ["kl.adaptive"]),
     (["model.dtype=float8"], "model.dtype", ["float8", "bfloat16"]),
@@ -137,6 +158,44 @@ def test_cli_unknown_group_option(tmp_path, arg, group, listed):
         assert option in line
     assert not (tmp_path / "cache").exists()
     assert not (tmp_path / "run").exists()  # Hydra never started
+
+
+@pytest.mark.parametrize(
+    ("args", "listed"),
+    [
+        (["kl.coef=0.1", "kl.in_reward=false", "kl.estimator=k1"], ["kl.estimator=k2", "kl.estimator=k3"]),
+        (["kl.coef=0.1", "kl.estimator=k3"], ["kl.estimator=k1"]),
+        (["kl.coef=0.1", "kl.estimator=abs"], ["k1", "k2", "k3"]),
+    ],
+    ids=" ".join,
+)
+def test_cli_kl_term_without_a_kl_gradient(tmp_path, args, listed):
+    code, out = run_cli(tmp_path, *args)
+    assert code == 2, out
+    line = error_line(out)
+    assert "kl.estimator" in line
+    for option in listed:
+        assert option in line
+    assert not (tmp_path / "cache").exists()
+
+
+def test_kl_off_accepts_any_estimator_placement(tmp_path):
+    from loorl.config import check_config
+
+    check_config(make_cfg(tmp_path, "kl.coef=0", "kl.in_reward=false", "kl.estimator=k1"))
+
+
+def test_gspo_experiment_pairs_the_sequence_ratio_with_its_aggregation(tmp_path):
+    from loorl.config import check_config
+
+    cfg = make_cfg(tmp_path, "experiment=gspo")
+    assert (cfg.loss.ratio_level, cfg.loss.agg, cfg.estimator.name) == (
+        "sequence",
+        "seq-mean-token-mean",
+        "grpo",
+    )
+    assert cfg.rl.prompts_per_step // cfg.rl.prompts_per_minibatch > 1  # off-policy steps: the ratio matters
+    check_config(cfg)
 
 
 def test_cli_bad_setting(tmp_path):

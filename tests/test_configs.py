@@ -233,6 +233,9 @@ def test_trainer_instantiates(tmp_path, name):
     assert cfg.trainer.max_epochs == 3
     assert cfg.trainer.reload_dataloaders_every_n_epochs == 1
     extra = {"accelerator": "cpu"} if cfg.trainer.accelerator == "gpu" else {}
+    from loorl.train import trainer_precision
+
+    extra["precision"] = trainer_precision(cfg)  # `auto` is resolved by loorl, not Lightning
     trainer = instantiate(cfg.trainer, logger=False, enable_progress_bar=False, **extra)
     assert isinstance(trainer, L.Trainer)
     assert trainer.max_epochs == cfg.rl.steps == 3
@@ -385,7 +388,7 @@ def test_comments_list_the_real_choices():
     rollout = (CONF_DIR / "rollout" / "hf.yaml").read_text().splitlines()
     assert _comment_choices("truncated:", rollout, after="limit:") == set(TRUNCATED_MODES)
     tiny = (CONF_DIR / "model" / "tiny.yaml").read_text().splitlines()
-    assert _comment_choices("dtype:", tiny, after="weights:") == set(DTYPES)
+    assert _comment_choices("dtype:", tiny, after="dtype:") == set(DTYPES)
 
 
 # ---- check_group_choices ----------------------------------------------------------------------

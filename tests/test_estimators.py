@@ -59,9 +59,15 @@ def test_reinforce_pp_whitens_over_whole_batch():
 
 
 def test_reinforce_pp_baseline_centres_groups_then_whitens_batch():
-    # group means 2 and 5 -> centred {-1, 1, 0}: mean 0, unbiased std 1
+    # group means 2 and 5 -> centred {-1, 1, 0}; the second group's lone sample has no baseline and
+    # stays out of the whitening: {-1, 1} has mean 0, unbiased std sqrt(2)
     a = adv("reinforce_pp_baseline", [[1, 3], [5, NAN]], eps=0.0)
-    torch.testing.assert_close(a, torch.tensor([[-1.0, 1.0], [0.0, 0.0]]))
+    r = 1 / math.sqrt(2)
+    torch.testing.assert_close(a, torch.tensor([[-r, r], [0.0, 0.0]]))
+    # two full groups: centred {-1, 1, -2, 2}, mean 0, unbiased std sqrt(10/3)
+    a = adv("reinforce_pp_baseline", [[1, 3], [3, 7]], eps=0.0)
+    s = math.sqrt(10 / 3)
+    torch.testing.assert_close(a, torch.tensor([[-1 / s, 1 / s], [-2 / s, 2 / s]]))
 
 
 def test_nan_cases_by_hand():
@@ -110,6 +116,17 @@ def test_output_dtype_shape_and_input_untouched(name):
 def test_rejects_non_2d_rewards():
     with pytest.raises(ValueError, match=r"\[B, K\]"):
         compute_advantages("rloo", torch.ones(4))
+
+
+@pytest.mark.parametrize("name", ["rloo", "dr_grpo", "reinforce_pp_baseline"])
+def test_whitening_leaves_out_groups_without_a_baseline(name):
+    """A group with one scorable sample holds a 0 that must not shrink the batch std (was 1.049)."""
+    rows = [[1.0, 0.0, 1.0, 0.0], [0.0, 1.0, 1.0, 1.0], [1.0, NAN, NAN, NAN]]
+    a = adv(name, rows, whiten=name != "reinforce_pp_baseline")  # [3, 4]
+    with_baseline = a[:2].flatten()  # the 8 samples that have a group baseline
+    assert float(with_baseline.mean()) == pytest.approx(0.0, abs=1e-6)
+    assert float(with_baseline.std()) == pytest.approx(1.0, abs=1e-5)
+    assert (a[2] == 0).all()
 
 
 def test_whiten_gives_zero_mean_unit_std_over_scorable():
@@ -167,6 +184,8 @@ def reference(name, rewards, *, whiten, eps):
             elif name in ("dr_grpo", "reinforce_pp_baseline"):
                 out[b][k] = row[k] - _mean(vals)
                 too_small[b][k] = len(vals) < 2
+    # samples without a group baseline (a lone scorable sample) stay out of every whitening
+    out = [[None if small else v for v, small in zip(row, smalls)] for row, smalls in zip(out, too_small)]
     if name in ("reinforce_pp", "reinforce_pp_baseline"):
         _whiten(out, eps)
     if whiten:
@@ -214,9 +233,9 @@ def test_masked_mean_and_std_match_torch_on_the_kept_entries():
 # ---- registry ----------------------------------------------------------------------------------
 def test_registry_names_and_sizes():
     assert estimators.names() == ALL
-    assert estimators.min_group_size("rloo") == 2
-    assert estimators.min_group_size("grpo") == 2
-    assert all(estimators.min_group_size(n) == 1 for n in ALL if n not in ("rloo", "grpo"))
+    baselines = ("rloo", "grpo", "dr_grpo", "reinforce_pp_baseline")  # K=1 would give all-zero advantages
+    assert all(estimators.min_group_size(n) == 2 for n in baselines)
+    assert all(estimators.min_group_size(n) == 1 for n in ALL if n not in baselines)
     assert estimators.get("rloo") is estimators.rloo
 
 

@@ -266,12 +266,12 @@ def test_kl_estimators_match_definitions():
     torch.testing.assert_close(
         kl_per_token(logp, ref, estimator="k3"), torch.exp(ref - logp) - 1 - (ref - logp)
     )
-    torch.testing.assert_close(kl_per_token(logp, ref, estimator="abs"), d.abs())
     assert (kl_per_token(logp, ref, estimator="k3") >= 0).all()
     assert (kl_per_token(logp, logp, estimator="k3") == 0).all()
-    assert KL_ESTIMATORS == ("k1", "k2", "k3", "abs")
-    with pytest.raises(ValueError, match=r"kl\.estimator"):
-        kl_per_token(logp, ref, estimator="k4")
+    assert KL_ESTIMATORS == ("k1", "k2", "k3")
+    for bad in ("k4", "abs"):
+        with pytest.raises(ValueError, match=r"kl\.estimator"):
+            kl_per_token(logp, ref, estimator=bad)
 
 
 def test_k1_and_k3_are_unbiased_for_samples_from_pi():

@@ -31,7 +31,7 @@ def tiny(model_cache):
 def _engine(tok, **sampling):
     return HFEngine(
         SamplingConfig(**{"max_new_tokens": 5, **sampling}),
-        eos_token_id=tok.eos_token_id,
+        eos_token_ids=[tok.eos_token_id],
         pad_token_id=tok.pad_token_id,
     )
 
@@ -55,12 +55,13 @@ def test_sampler_logprobs_match_recomputed(tiny, temperature):
     """The trainer's logprobs (left padding, position ids, temperature) equal those the sampler drew with."""
     _, _, _, _, model = tiny
     batch, _ = _rollout(tiny, temperature=temperature)
-    recomputed = completion_logprobs(model, batch, temperature=temperature)  # [N, C]
+    sampling = SamplingConfig(max_new_tokens=5, temperature=temperature)
+    recomputed = completion_logprobs(model, batch, sampling=sampling)  # [N, C]
     mask = batch.completion_mask.bool()
     assert mask.sum() > 0
     diff = (recomputed - batch.sampler_logprobs)[mask].abs().max()
     assert diff < 1e-4, diff
-    chunked = completion_logprobs(model, batch, temperature=temperature, chunk=8)
+    chunked = completion_logprobs(model, batch, sampling=sampling, groups_per_pass=2)
     assert torch.allclose(chunked[mask], recomputed[mask], atol=1e-5)
 
 
@@ -150,9 +151,12 @@ def test_minibatches_keep_groups_together(tiny):
     batch = dm.rollout(module, step=0)
     assert batch.old_logprobs is not None  # several optimizer steps per rollout: old logprobs recomputed
 
+    from lightning.pytorch.plugins.precision import Precision
+
     class _Trainer:
         current_epoch = 0
         lightning_module = module
+        precision_plugin = Precision()  # 32-true: no autocast
 
     dm.trainer = _Trainer()
     seen = []
@@ -193,7 +197,7 @@ def test_module_gradient_equals_hand_built_estimate_and_ignores_microbatch_size(
     n = batch.input_ids.shape[0]
     for i in range(n):
         one = _single_row(batch, i)
-        logp = completion_logprobs(model, one, temperature=1.0)  # [1, C]
+        logp = completion_logprobs(model, one, sampling=SamplingConfig(max_new_tokens=5))  # [1, C]
         seq_logp = (logp * one.completion_mask).sum()
         for e, g in zip(expected, torch.autograd.grad(seq_logp, params)):
             e -= batch.advantages[i] * g / n
@@ -254,7 +258,7 @@ def test_truncated_importance_weights_scale_the_gradient(tiny, model_cache, log_
     plain = build_module(quick_cfg_at(model_cache), path)
     plain.configure_model()
     with torch.no_grad():
-        exact = completion_logprobs(plain.policy, batch, temperature=1.0)  # [N, C]
+        exact = completion_logprobs(plain.policy, batch, sampling=SamplingConfig(max_new_tokens=5))  # [N, C]
     batch.sampler_logprobs = exact - log_ratio  # the sampler saw pi_train / ratio
     plain.accumulate_gradients(batch, lambda loss: loss.backward())
     corrected = build_module(quick_cfg_at(model_cache, f"loss.tis_cap={cap}"), path)
@@ -263,3 +267,44 @@ def test_truncated_importance_weights_scale_the_gradient(tiny, model_cache, log_
     assert torch.allclose(_grads(corrected), weight * _grads(plain), atol=1e-6, rtol=1e-4)
     assert sums["tis_weight_sum"] / tokens == pytest.approx(weight, rel=1e-4)
     assert sums["mismatch_sum"] / tokens == pytest.approx(log_ratio, abs=1e-4)
+
+
+class _OffsetSampler(HFEngine):
+    """The real HF engine whose reported log-probs are off by a constant per token, as a sampler
+    with other kernels or precision (vLLM, bf16) reports slightly different ones."""
+
+    OFFSET = 0.5
+
+    def generate(self, prompt_ids, *, n, greedy=False):
+        groups = super().generate(prompt_ids, n=n, greedy=greedy)
+        for group in groups:
+            for c in group:
+                c.logprobs = [lp + self.OFFSET for lp in c.logprobs]
+        return groups
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_kl_in_the_reward_uses_the_trainer_logprobs(tiny, model_cache, exact):
+    """At step 0 the policy is the reference: the true KL is exactly 0, whatever the sampler says."""
+    from dataclasses import replace
+
+    from loorl.train import build_datamodule
+    from tests_support import quick_cfg_at
+
+    cfg = quick_cfg_at(model_cache, "kl.coef=0.1", "kl.adaptive=true", "kl.target=1.0", "kl.horizon=100")
+    _, task, path, tok, _ = tiny
+    module = build_module(cfg, path)
+    module.configure_model()
+    dm = build_datamodule(cfg, task, tok, path)
+    dm.settings = replace(dm.settings, sampler_logprobs_exact=exact)
+    dm.engine = _OffsetSampler(dm.engine.sampling, eos_token_ids=dm.engine.eos_token_ids, pad_token_id=0)
+    dm.setup("fit")
+    batch = dm.rollout(module, step=0)
+    kl = dm.last_stats["rollout/kl"]
+    lengths = batch.completion_mask.sum(-1)  # [N]
+    if exact:  # told the sampler is exact, the KL is the sampler's offset times the length
+        assert kl == pytest.approx(_OffsetSampler.OFFSET * float(lengths.mean()), rel=1e-4)
+        return
+    assert abs(kl) < 1e-5
+    n = batch.input_ids.shape[0]  # the adaptive controller saw that same KL: error clipped to -0.2
+    assert module.kl_controller.value == pytest.approx(0.1 * (1 - 0.2 * n / 100))

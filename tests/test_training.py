@@ -84,7 +84,7 @@ def test_every_estimator_trains(quick_cfg, tmp_path, name):
 
 
 def test_kl_in_reward_loads_reference_and_logs_kl(quick_cfg, tmp_path):
-    train(quick_cfg("kl.coef=0.1", "kl.estimator=k3", "rl.steps=3", "checkpoint_every=0"))
+    train(quick_cfg("kl.coef=0.1", "kl.estimator=k1", "rl.steps=3", "checkpoint_every=0"))
     history = _history(tmp_path / "run")
     kls = [v for _, v in history["rollout/kl"]]
     assert kls[0] == pytest.approx(0.0, abs=1e-6)  # the first rollout comes from the reference itself
@@ -97,6 +97,7 @@ def test_kl_as_loss_term_and_adaptive_coefficient(quick_cfg, tmp_path):
         quick_cfg(
             "kl.coef=0.1",
             "kl.in_reward=false",
+            "kl.estimator=k3",
             "kl.adaptive=true",
             "kl.target=0.001",
             "kl.horizon=100",

@@ -51,7 +51,7 @@ def test_vllm_follows_the_policy_after_an_optimizer_step(setup):
     stale = engine.generate(prompts, n=4)
     engine.sync(module.policy, version=1)
 
-    hf = HFEngine(engine.sampling, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    hf = HFEngine(engine.sampling, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
     hf.sync(module.policy)
     vllm_greedy = [g[0].token_ids for g in engine.generate(prompts, n=1, greedy=True)]
     hf_greedy = [g[0].token_ids for g in hf.generate(prompts, n=1, greedy=True)]
@@ -66,7 +66,7 @@ def test_vllm_follows_the_policy_after_an_optimizer_step(setup):
             advantages=torch.zeros(40, 4),
         )
         with torch.no_grad():
-            lp = completion_logprobs(module.policy, b, temperature=cfg.rollout.temperature)
+            lp = completion_logprobs(module.policy, b, sampling=engine.sampling)
         return (lp - b.sampler_logprobs)[b.completion_mask.bool()].abs().max().item()
 
     assert max_mismatch(engine.generate(prompts, n=4)) < 1e-4
@@ -89,9 +89,13 @@ def test_vllm_training_run_and_mismatch_metrics(model_cache, tmp_path):
 def test_auto_picks_hf_on_cpu_and_says_why(setup):
     name, reason = resolve_engine("auto")
     assert name == "hf" and "CUDA" in reason
-    cfg, _, tok, _, _ = setup
+    cfg, _, tok, module, _ = setup
     engine = build_engine(
-        quick_cfg_at(cfg.model.cache_dir).rollout, tok, model_path="unused", model_dtype="float32", seed=0
+        quick_cfg_at(cfg.model.cache_dir).rollout,
+        tok,
+        model_path=module.model_path,
+        model_dtype="float32",
+        seed=0,
     )
     assert engine.name == "hf"
 

@@ -8,7 +8,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from loorl import estimators
 from loorl.errors import ConfigError
-from loorl.losses import AGGREGATIONS, KL_ESTIMATORS
+from loorl.losses import AGGREGATIONS, KL_ESTIMATORS, check_kl_placement
 from loorl.models import DTYPES, check_model_reachable
 from loorl.rollout.datamodule import TRUNCATED_MODES
 from loorl.rollout.factory import ENGINES, VLLM_INSTALL_HINT, cuda_available, resolve_engine, vllm_installed
@@ -101,9 +101,16 @@ def check_config(cfg: DictConfig) -> None:
     _one_of("rollout.truncated", r.truncated, TRUNCATED_MODES)
     _one_of("loss.agg", cfg.loss.agg, AGGREGATIONS)
     _one_of("loss.ratio_level", cfg.loss.ratio_level, RATIO_LEVELS)
+    if cfg.loss.ratio_level == "sequence" and cfg.loss.agg != "seq-mean-token-mean":
+        raise ConfigError(
+            f"loss.ratio_level=sequence (GSPO) with loss.agg={cfg.loss.agg}: GSPO's sequence ratio averages "
+            "each sequence's tokens; set loss.agg=seq-mean-token-mean, or use experiment=gspo"
+        )
     if cfg.loss.clip_low < 0 or cfg.loss.clip_high < 0:
         raise ConfigError("loss.clip_low and loss.clip_high must be >= 0")
     _one_of("kl.estimator", cfg.kl.estimator, KL_ESTIMATORS)
+    if cfg.kl.coef > 0 or cfg.kl.adaptive:  # only an active KL term must have a KL gradient
+        check_kl_placement(cfg.kl.estimator, bool(cfg.kl.in_reward))
     if cfg.kl.coef < 0:
         raise ConfigError(
             f"kl.coef={cfg.kl.coef} must be >= 0 (0 turns the KL term and the reference model off)"
@@ -112,6 +119,12 @@ def check_config(cfg: DictConfig) -> None:
         raise ConfigError("kl.adaptive=true needs kl.coef > 0: the controller scales it, and 0 stays 0")
     _one_of("model.dtype", cfg.model.dtype, tuple(DTYPES))
     _one_of("model.ref_dtype", cfg.model.ref_dtype, tuple(DTYPES))
+    master = cfg.model.master_dtype
+    if master not in ("float32", cfg.model.dtype):
+        raise ConfigError(
+            f"model.master_dtype={master} with model.dtype={cfg.model.dtype}: the trainable weights are "
+            f"float32 (set model.master_dtype=float32) or, opting into pure low precision, model.dtype"
+        )
     strategy = cfg.trainer.strategy
     if strategy != "auto":
         name = strategy.get("_target_", strategy) if isinstance(strategy, DictConfig) else strategy

@@ -131,12 +131,15 @@ def _with_siblings(valid: torch.Tensor) -> torch.Tensor:
 def _finish(
     adv: torch.Tensor, valid: torch.Tensor, *, whiten: bool, eps: float, keep: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Optional whitening over the scorable samples, then exact zeros outside `keep` (default: the
-    scorable samples; estimators pass a narrower one to zero groups too small for their baseline),
-    and no NaN/inf anywhere."""
+    """Optional whitening, then exact zeros outside `keep`, and no NaN/inf anywhere.
+
+    `keep` defaults to the scorable samples; estimators with a group baseline pass the samples
+    that have one, so the zeros of groups left with a single scorable sample neither enter the
+    whitening statistics nor come out of it non-zero."""
+    keep = valid if keep is None else keep  # [B, K]
     if whiten:
-        adv = masked_whiten(adv, valid, eps=eps)  # [B, K]
-    adv = torch.where(valid if keep is None else keep, adv, 0.0)  # [B, K]
+        adv = masked_whiten(adv, keep, eps=eps)  # [B, K]
+    adv = torch.where(keep, adv, 0.0)  # [B, K]
     return torch.nan_to_num(adv, nan=0.0, posinf=0.0, neginf=0.0)  # [B, K]
 
 
@@ -179,9 +182,9 @@ def grpo(rewards: torch.Tensor, *, whiten: bool = False, eps: float = 1e-6) -> t
     return _finish(adv, valid, whiten=whiten, eps=eps, keep=keep)
 
 
-@register("dr_grpo")
+@register("dr_grpo", min_group_size=2)
 def dr_grpo(rewards: torch.Tensor, *, whiten: bool = False, eps: float = 1e-6) -> torch.Tensor:
-    """Dr. GRPO: r - group mean, without GRPO's per-group std division. K=1 gives 0."""
+    """Dr. GRPO: r - group mean, without GRPO's per-group std division (K=1 would give 0)."""
     r, valid = _prepare(rewards)  # [B, K], [B, K]
     mean = masked_mean(r, valid, -1, keepdim=True)  # [B, 1]
     return _finish(r - mean, valid, whiten=whiten, eps=eps, keep=_with_siblings(valid))
@@ -195,7 +198,7 @@ def reinforce_pp(rewards: torch.Tensor, *, whiten: bool = False, eps: float = 1e
     return _finish(adv, valid, whiten=whiten, eps=eps)
 
 
-@register("reinforce_pp_baseline")
+@register("reinforce_pp_baseline", min_group_size=2)
 def reinforce_pp_baseline(rewards: torch.Tensor, *, whiten: bool = False, eps: float = 1e-6) -> torch.Tensor:
     """REINFORCE++ with baseline: subtract the group mean, then whiten over the whole batch.
 
@@ -203,6 +206,7 @@ def reinforce_pp_baseline(rewards: torch.Tensor, *, whiten: bool = False, eps: f
     without GRPO's per-group std.
     """
     r, valid = _prepare(rewards)  # [B, K], [B, K]
+    keep = _with_siblings(valid)  # [B, K] the samples that have a group baseline
     centred = r - masked_mean(r, valid, -1, keepdim=True)  # [B, K]
-    adv = masked_whiten(centred, valid, eps=eps)  # [B, K]
-    return _finish(adv, valid, whiten=whiten, eps=eps, keep=_with_siblings(valid))
+    adv = masked_whiten(centred, keep, eps=eps)  # [B, K]
+    return _finish(adv, valid, whiten=whiten, eps=eps, keep=keep)

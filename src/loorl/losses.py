@@ -15,7 +15,12 @@ from loorl.errors import ConfigError
 from loorl.estimators import masked_mean
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("k1", "k2", "k3", "abs")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+# Where each estimator gives a KL gradient (exact expectations: tests/test_kl_gradients.py).
+# Folded into the reward (a score-function term) only k1's gradient is that of KL(pi||ref);
+# as a loss term k1's expected gradient is 0, k2's is that of KL(pi||ref), k3's that of the
+# reverse KL(ref||pi) (what GRPO implementations use).
+KL_ESTIMATORS_BY_PLACEMENT = {"reward": ("k1",), "loss": ("k2", "k3")}
 RATIO_LEVELS = ("token", "sequence")
 
 _MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: beyond it a ratio is meaningless and exp() heads for inf
@@ -32,39 +37,95 @@ def _upcast(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def token_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, *, temperature: float = 1.0, chunk_size: int = 8
+def truncate_logits(
+    scaled: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0, keep: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """log pi(token) [N, T] under softmax(logits / temperature), in float32 (or float64).
+    """Temperature-scaled logits [n, T, V] with the entries the sampler never draws set to -inf.
 
+    The sampler's order (transformers' warpers and vLLM alike): top-k first, then top-p over the
+    top-k-renormalised distribution, dropping the smallest probabilities whose cumulative sum stays
+    <= 1 - top_p and always keeping the most likely entry; ties at the k-th logit are kept. `keep`
+    [n, T] holds the sampled tokens, which always stay in (a token the sampler drew must not get a
+    -inf log-probability because a bf16 or kernel difference moved it across the cut-off).
+    The selection carries no gradient; the kept logits do.
+    """
+    if top_k <= 0 and top_p >= 1.0:
+        return scaled
+    with torch.no_grad():
+        drop = torch.zeros_like(scaled, dtype=torch.bool)  # [n, T, V]
+        if 0 < top_k < scaled.shape[-1]:
+            kth = scaled.topk(top_k, dim=-1).values[..., -1:]  # [n, T, 1]
+            drop = scaled < kth  # [n, T, V]
+        if top_p < 1.0:
+            sorted_logits, order = scaled.masked_fill(drop, -math.inf).sort(dim=-1)  # [n, T, V] ascending
+            cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)  # [n, T, V]
+            drop_sorted = cumulative <= 1.0 - top_p  # [n, T, V]
+            drop_sorted[..., -1] = False  # the most likely entry always stays
+            drop = drop | drop_sorted.scatter(-1, order, drop_sorted)  # [n, T, V] back in vocabulary order
+        if keep is not None:
+            drop.scatter_(-1, keep.long().unsqueeze(-1), False)  # [n, T, V]
+    return scaled.masked_fill(drop, -math.inf)  # [n, T, V]
+
+
+def _sampler_logits(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, keep: torch.Tensor | None
+) -> torch.Tensor:
+    """The logits [n, T, V] of the distribution the sampler drew from, in float32 (or float64)."""
+    scaled = _upcast(logits)  # [n, T, V]
+    if temperature != 1.0:
+        scaled = scaled / temperature  # [n, T, V]
+    return truncate_logits(scaled, top_k=top_k, top_p=top_p, keep=keep)  # [n, T, V]
+
+
+def token_logprobs(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    chunk_size: int = 8,
+) -> torch.Tensor:
+    """log pi(token) [N, T] under the sampler's distribution, in float32 (or float64).
+
+    That distribution is softmax(logits / temperature) restricted to the top-k / top-p set (see
+    `truncate_logits`): the temperature and truncation must be the sampler's, or the log-probs are
+    of a different policy (biased importance weights, KL and mismatch metrics).
     Computed as gather - logsumexp instead of a full log_softmax: the latter keeps another
     [N, T, V] tensor alive for backward, the memory peak with 150k-entry vocabularies.
-    Rows are processed `chunk_size` sequences at a time to bound logsumexp's temporaries.
-    The temperature must be the sampler's, or the logprobs are of a different policy.
+    Rows are processed `chunk_size` sequences at a time to bound the float32 temporaries.
     """
     _check_temperature(temperature)
     parts = []
     for start in range(0, logits.shape[0], max(1, chunk_size)):
-        scaled = _upcast(logits[start : start + chunk_size])  # [n, T, V]
-        if temperature != 1.0:
-            scaled = scaled / temperature  # [n, T, V]
-        ids = tokens[start : start + chunk_size].long().unsqueeze(-1)  # [n, T, 1]
-        picked = scaled.gather(-1, ids).squeeze(-1)  # [n, T]
+        ids = tokens[start : start + chunk_size].long()  # [n, T]
+        scaled = _sampler_logits(logits[start : start + chunk_size], temperature, top_k, top_p, ids)
+        picked = scaled.gather(-1, ids.unsqueeze(-1)).squeeze(-1)  # [n, T]
         parts.append(picked - torch.logsumexp(scaled, dim=-1))  # [n, T]
     if not parts:
         return logits.new_zeros(logits.shape[:2], dtype=torch.float32)  # [0, T]
     return torch.cat(parts, dim=0)  # [N, T]
 
 
-def token_entropy(logits: torch.Tensor, *, temperature: float = 1.0, chunk_size: int = 8) -> torch.Tensor:
-    """Entropy [N, T] of softmax(logits / temperature), for monitoring: call it under no_grad.
+def token_entropy(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    tokens: torch.Tensor | None = None,
+    chunk_size: int = 8,
+) -> torch.Tensor:
+    """Entropy [N, T] of the sampler's distribution (as in `token_logprobs`), for monitoring.
 
-    Masked-out vocabulary entries (-inf logits) contribute 0, not NaN.
+    Call it under no_grad. `tokens` [N, T], the sampled tokens, stay in the truncated set as they
+    do for the log-probs. Masked-out vocabulary entries (-inf logits) contribute 0, not NaN.
     """
     _check_temperature(temperature)
     parts = []
     for start in range(0, logits.shape[0], max(1, chunk_size)):
-        scaled = _upcast(logits[start : start + chunk_size]) / temperature  # [n, T, V]
+        ids = None if tokens is None else tokens[start : start + chunk_size]  # [n, T]
+        scaled = _sampler_logits(logits[start : start + chunk_size], temperature, top_k, top_p, ids)
         logp = torch.log_softmax(scaled, dim=-1)  # [n, T, V]
         plogp = torch.where(logp > -math.inf, logp.exp() * logp, 0.0)  # [n, T, V]
         parts.append(-plogp.sum(dim=-1))  # [n, T]
@@ -157,10 +218,19 @@ def aggregate(
 
 # ---- KL to the reference policy ----------------------------------------------------------------
 def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, *, estimator: str) -> torch.Tensor:
-    """Per-token estimate [N, T] of KL(pi || ref) from the sampled tokens' logprobs.
+    """Per-token estimate [N, T] of KL(pi || ref) from the sampled tokens' logprobs (y ~ pi).
 
-    With d = log pi - log ref: k1 = d (unbiased, can be negative); k2 = d^2 / 2 (low variance,
-    biased); k3 = exp(-d) - 1 + d (Schulman's unbiased, always >= 0); abs = |d|.
+    With d = log pi - log ref: k1 = d (unbiased value, can be negative); k2 = d^2 / 2 (biased
+    value, low variance); k3 = exp(-d) - 1 + d (Schulman's unbiased value, always >= 0).
+    Their values all estimate KL(pi||ref), but their gradients differ, so each is accepted only
+    where its expected gradient is a KL gradient (see check_kl_placement):
+      in the reward (-coef * sum_t kl_t, a score-function term): k1 -> grad KL(pi||ref);
+      as a loss term (coef * kl_t, differentiated through log pi): k2 -> grad KL(pi||ref),
+      k3 -> grad of the reverse KL(ref||pi) (as GRPO implementations use). k1 as a loss term
+      has expected gradient exactly 0; k2 or k3 in the reward give no KL's gradient.
+    A loss term's KL is each token's given its sampled prefix: over several tokens it lacks the
+    part of the sequence KL's gradient through which a token changes later tokens' KL, which the
+    reward (k1) carries. scripts/kl_gradient_table.py prints all of them exactly.
     """
     if estimator not in KL_ESTIMATORS:
         raise ConfigError(f"kl.estimator={estimator!r} is not one of: {', '.join(KL_ESTIMATORS)}")
@@ -169,9 +239,23 @@ def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, *, estimato
         return d
     if estimator == "k2":
         return 0.5 * d * d  # [N, T]
-    if estimator == "k3":
-        return torch.exp((-d).clamp(max=_MAX_LOG_RATIO)) - 1.0 + d  # [N, T]
-    return d.abs()  # [N, T]
+    return torch.exp((-d).clamp(max=_MAX_LOG_RATIO)) - 1.0 + d  # [N, T] k3
+
+
+def check_kl_placement(estimator: str, in_reward: bool) -> None:
+    """Raise ConfigError unless `estimator` gives a KL gradient where the KL term is placed."""
+    if estimator not in KL_ESTIMATORS:
+        raise ConfigError(f"kl.estimator={estimator!r} is not one of: {', '.join(KL_ESTIMATORS)}")
+    placement = "reward" if in_reward else "loss"
+    if estimator in KL_ESTIMATORS_BY_PLACEMENT[placement]:
+        return
+    why = "has expected gradient 0" if estimator == "k1" else "does not give a KL gradient"
+    raise ConfigError(
+        f"kl.estimator={estimator} with kl.in_reward={str(in_reward).lower()} {why}: "
+        "in the reward (kl.in_reward=true) use kl.estimator=k1; as a loss term (kl.in_reward=false) "
+        "use kl.estimator=k2 (gradient of KL(pi||ref)) or kl.estimator=k3 "
+        "(gradient of the reverse KL(ref||pi), as GRPO implementations do)"
+    )
 
 
 class FixedKLController:

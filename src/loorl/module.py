@@ -4,10 +4,16 @@ Optimisation is manual: one `training_step` is one optimizer step over a mini-ba
 groups, split into micro-batches for memory. Every micro-batch's loss is normalised by the token
 and sequence counts of the whole mini-batch, so the gradient does not depend on the micro-batch
 size (it would with Lightning's automatic accumulation, which averages micro-batch means).
+
+Precision: `dtype` is the compute dtype, `master_dtype` that of the trainable weights and the
+optimizer state (float32 unless the user opts out). bfloat16 compute over float32 weights runs
+under Lightning's `bf16-mixed` (autocast), chosen by `loorl.train.trainer_precision`: AdamW
+updates at lr 1e-6 are mostly below half a bf16 step of a weight and would round to nothing.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +34,10 @@ from loorl.losses import (
 )
 from loorl.models import load_causal_lm
 from loorl.rollout.batch import RolloutBatch
+from loorl.rollout.engine import SamplingConfig
 from loorl.scoring import completion_logits
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,22 +72,25 @@ class PolicyGradientModule(L.LightningModule):
         *,
         model_path: str,
         dtype: str = "float32",
+        master_dtype: str = "float32",
         ref_dtype: str = "float32",
         attn_implementation: str | None = None,
         gradient_checkpointing: bool = False,
         ref_offload: bool = False,
         optimizer,  # a partial: optimizer(params) -> torch.optim.Optimizer
-        temperature: float = 1.0,
+        sampling: SamplingConfig,
         loss: LossSettings,
         kl: KLSettings,
     ) -> None:
         super().__init__()
         self.model_path, self.dtype_name, self.ref_dtype = model_path, dtype, ref_dtype
+        self.master_dtype = master_dtype  # the trainable weights' and optimizer state's dtype
         self.attn_implementation = attn_implementation
         self.gradient_checkpointing = gradient_checkpointing
         self.ref_offload = ref_offload  # keep the frozen reference in CPU memory (scored there)
         self.optimizer_factory = optimizer
-        self.temperature, self.loss_cfg, self.kl = temperature, loss, kl
+        self.sampling = sampling  # the trainer scores the sampler's distribution (temperature, top-k/p)
+        self.loss_cfg, self.kl = loss, kl
         self.kl_controller = (
             AdaptiveKLController(kl.coef, kl.target, kl.horizon)
             if kl.adaptive
@@ -96,8 +108,15 @@ class PolicyGradientModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.policy is not None:  # called again by trainer.fit after trainer.validate
             return
+        if self.master_dtype != "float32":
+            log.warning(
+                "model.master_dtype=%s: the weights and AdamW state are %s, so updates smaller than half "
+                "a %s step of a weight are lost (at lr 1e-6 most of them); model.master_dtype=float32 "
+                "keeps them",
+                self.master_dtype, self.master_dtype, self.master_dtype,
+            )  # fmt: skip
         self.policy = load_causal_lm(
-            self.model_path, dtype=self.dtype_name, attn_implementation=self.attn_implementation
+            self.model_path, dtype=self.master_dtype, attn_implementation=self.attn_implementation
         )
         if self.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
@@ -134,7 +153,7 @@ class PolicyGradientModule(L.LightningModule):
         cfg = self.loss_cfg
         mask = sub.completion_mask  # [n, C]
         logits = completion_logits(self.policy, sub)  # [n, C, V]
-        logp = token_logprobs(logits, sub.completion_ids, temperature=self.temperature)  # [n, C]
+        logp = token_logprobs(logits, sub.completion_ids, **self.scoring_kwargs)  # [n, C]
         if sub.old_logprobs is None:  # one optimizer step per rollout: the importance ratio is exactly 1
             tok_loss = reinforce_token_loss(logp, sub.advantages)  # [n, C]
             clipped = torch.zeros_like(mask, dtype=torch.bool)
@@ -150,7 +169,7 @@ class PolicyGradientModule(L.LightningModule):
             )
         # Sampler/trainer mismatch: log pi_train - log pi_sampler per token, at the rollout's weights.
         behaviour = (sub.old_logprobs if sub.old_logprobs is not None else logp).detach()  # [n, C]
-        log_ratio = (behaviour - sub.sampler_logprobs) * mask  # [n, C]
+        log_ratio = torch.where(mask.bool(), behaviour - sub.sampler_logprobs, 0.0)  # [n, C]
         stats = {
             "mismatch_sum": float(log_ratio.sum()),
             "mismatch_max": float(log_ratio.abs().max()) if mask.any() else 0.0,
@@ -167,7 +186,9 @@ class PolicyGradientModule(L.LightningModule):
             tok_loss, mask, mode=cfg.agg, num_tokens=num_tokens, num_seqs=num_seqs, max_len=cfg.max_len
         )
         with torch.no_grad():
-            entropy = token_entropy(logits.detach(), temperature=self.temperature)  # [n, C]
+            entropy = token_entropy(
+                logits.detach(), tokens=sub.completion_ids, **self.scoring_kwargs
+            )  # [n, C]
             stats["entropy_sum"] = float((entropy * mask).sum())
             stats["clipped_sum"] = float((clipped.float() * mask).sum())
         return loss, stats
@@ -194,12 +215,7 @@ class PolicyGradientModule(L.LightningModule):
         t0 = time.perf_counter()
         opt = self.optimizers()
         total_loss, sums, num_tokens = self.accumulate_gradients(batch, self.manual_backward)
-        if self.loss_cfg.max_grad_norm:
-            grad_norm = torch.nn.utils.clip_grad_norm_(
-                [p for p in self.policy.parameters() if p.grad is not None], self.loss_cfg.max_grad_norm
-            )
-            self.log("train/grad_norm", float(grad_norm), on_step=True, on_epoch=False)
-        opt.step()
+        opt.step()  # clips in on_before_optimizer_step, after a 16-mixed loss scaler unscaled the gradients
         opt.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - t0
         self.log("train/loss", total_loss, on_step=True, on_epoch=True, prog_bar=True)
@@ -224,6 +240,20 @@ class PolicyGradientModule(L.LightningModule):
             on_epoch=True,
         )
         return torch.tensor(total_loss)
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """Gradient-norm clipping, where Lightning has already unscaled fp16 gradients."""
+        if self.loss_cfg.max_grad_norm:
+            grad_norm = torch.nn.utils.clip_grad_norm_(
+                [p for p in self.policy.parameters() if p.grad is not None], self.loss_cfg.max_grad_norm
+            )
+            self.log("train/grad_norm", float(grad_norm), on_step=True, on_epoch=False)
+
+    @property
+    def scoring_kwargs(self) -> dict:
+        """The sampler's temperature and truncation, for every log-prob and entropy of the policy."""
+        s = self.sampling
+        return {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p}
 
     # ---- held-out evaluation -------------------------------------------------------------------
     def validation_step(self, prompts, batch_idx: int) -> None:

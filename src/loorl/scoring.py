@@ -6,6 +6,7 @@ import torch
 
 from loorl.losses import token_logprobs
 from loorl.rollout.batch import RolloutBatch
+from loorl.rollout.engine import SamplingConfig
 
 
 def completion_logits(model, batch: RolloutBatch) -> torch.Tensor:
@@ -26,16 +27,31 @@ def completion_logits(model, batch: RolloutBatch) -> torch.Tensor:
 
 
 def completion_logprobs(
-    model, batch: RolloutBatch, *, temperature: float, chunk: int | None = None
+    model, batch: RolloutBatch, *, sampling: SamplingConfig, groups_per_pass: int | None = None
 ) -> torch.Tensor:
-    """log pi(y_t | x, y_<t) of the temperature-scaled distribution, [N, C]; padding positions are garbage."""
-    if chunk is None or chunk >= batch.input_ids.shape[0]:
-        return token_logprobs(completion_logits(model, batch), batch.completion_ids, temperature=temperature)
+    """log pi(y_t | x, y_<t) [N, C] under the sampler's distribution (temperature, top-k, top-p).
+
+    The model runs on `groups_per_pass` whole groups at a time (all at once when None), so the
+    [n, C, V] logits of only one pass are alive: a whole rollout's logits are the memory peak with
+    large vocabularies (512 x 513 x 152k bf16 logits are 80 GB). Padding positions are garbage.
+    """
+    step = batch.num_groups if groups_per_pass is None else max(1, groups_per_pass)
     parts = []
-    for start in range(0, batch.num_groups, max(1, chunk // batch.group_size)):
-        groups = list(range(start, min(batch.num_groups, start + max(1, chunk // batch.group_size))))
-        sub = batch.select_groups(groups)
-        parts.append(
-            token_logprobs(completion_logits(model, sub), sub.completion_ids, temperature=temperature)
+    for start in range(0, batch.num_groups, step):
+        sub = (
+            batch
+            if step >= batch.num_groups
+            else batch.select_groups(list(range(start, min(batch.num_groups, start + step))))
         )
+        logits = completion_logits(model, sub)  # [n, C, V]
+        parts.append(
+            token_logprobs(
+                logits,
+                sub.completion_ids,
+                temperature=sampling.temperature,
+                top_k=sampling.top_k,
+                top_p=sampling.top_p,
+            )  # [n, C]
+        )
+        del logits
     return torch.cat(parts)  # [N, C]

@@ -17,7 +17,7 @@ from loorl.models import load_tokenizer, resolve_model_path
 from loorl.module import KLSettings, LossSettings, PolicyGradientModule
 from loorl.rewards import build_composer
 from loorl.rollout.datamodule import RolloutDataModule, RolloutSettings
-from loorl.rollout.factory import build_engine
+from loorl.rollout.factory import build_engine, resolve_engine, sampling_config
 
 
 def build_datamodule(cfg: DictConfig, task, tokenizer, model_path: str) -> RolloutDataModule:
@@ -33,6 +33,8 @@ def build_datamodule(cfg: DictConfig, task, tokenizer, model_path: str) -> Rollo
         eval_batch_size=cfg.rollout.eval_batch_size,
         pass_k=cfg.val_pass_k,
         seed=cfg.seed,
+        groups_per_score_pass=cfg.rl.prompts_per_microbatch,
+        sampler_logprobs_exact=resolve_engine(cfg.rollout.engine)[0] == "hf" and cfg.model.dtype == "float32",
     )
     engine = build_engine(
         cfg.rollout, tokenizer, model_path=model_path, model_dtype=cfg.model.dtype, seed=cfg.seed
@@ -47,12 +49,13 @@ def build_module(cfg: DictConfig, model_path: str) -> PolicyGradientModule:
     return PolicyGradientModule(
         model_path=model_path,
         dtype=cfg.model.dtype,
+        master_dtype=cfg.model.master_dtype,
         ref_dtype=cfg.model.ref_dtype,
         attn_implementation=cfg.model.attn_implementation,
         gradient_checkpointing=cfg.model.gradient_checkpointing,
         ref_offload=cfg.model.get("ref_offload", False),
         optimizer=instantiate(cfg.optimizer),
-        temperature=cfg.rollout.temperature,
+        sampling=sampling_config(cfg.rollout),
         loss=LossSettings(
             agg=cfg.loss.agg,
             clip_low=cfg.loss.clip_low,
@@ -65,6 +68,19 @@ def build_module(cfg: DictConfig, model_path: str) -> PolicyGradientModule:
         ),
         kl=KLSettings(**OmegaConf.to_container(cfg.kl, resolve=True)),
     )
+
+
+def trainer_precision(cfg: DictConfig) -> str:
+    """Lightning's precision for `trainer.precision=auto`: from the compute and master dtypes.
+
+    Compute below the master dtype runs under autocast (`bf16-mixed`, or `16-mixed` with a loss
+    scaler); weights already in the compute dtype need no cast (`32-true` leaves them as loaded).
+    """
+    if cfg.trainer.precision != "auto":
+        return str(cfg.trainer.precision)
+    if cfg.model.dtype == cfg.model.master_dtype:
+        return "32-true"
+    return {"bfloat16": "bf16-mixed", "float16": "16-mixed"}[cfg.model.dtype]
 
 
 def instantiate_unwrapped(node):
@@ -111,7 +127,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if cfg.export_policy:
         callbacks.append(HFExport(str(output_dir / "policy"), tokenizer))
     loggers = [instantiate(c) for c in (cfg.logger or {}).values()]
-    trainer = instantiate(cfg.trainer, logger=loggers or False, callbacks=callbacks)
+    trainer = instantiate(
+        cfg.trainer, logger=loggers or False, callbacks=callbacks, precision=trainer_precision(cfg)
+    )
 
     trainer.validate(module, datamodule=datamodule, verbose=False)
     trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume_from)

@@ -22,7 +22,7 @@ from loorl.errors import ConfigError
 from loorl.losses import kl_per_token
 from loorl.rewards import RewardComposer, WeightedReward, correctness, task_reward_fn
 from loorl.rollout.batch import RolloutBatch, assemble
-from loorl.rollout.engine import RolloutEngine
+from loorl.rollout.engine import Completion, RolloutEngine
 from loorl.scoring import completion_logprobs
 from loorl.tasks.base import Prompt, Task
 
@@ -44,6 +44,10 @@ class RolloutSettings:
     eval_batch_size: int = 256
     pass_k: int = 0  # validation: sampled pass@k besides greedy accuracy; 0: off
     seed: int = 0
+    groups_per_score_pass: int = 32  # whole groups per no-grad log-prob pass (reference, policy)
+    # True where the sampler's log-probs are the trainer's (HF engine, float32 compute); otherwise
+    # the KL folded into the reward needs a forward pass of the trained policy
+    sampler_logprobs_exact: bool = True
 
     @property
     def steps_per_rollout(self) -> int:
@@ -100,7 +104,7 @@ class RolloutDataModule(L.LightningDataModule):
         groups = self.engine.generate(prompt_ids, n=s.samples_per_prompt)
         gen_seconds = time.perf_counter() - t0
         self.engine.sleep()
-        texts = [[self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in g] for g in groups]
+        texts = self.decode(groups)
 
         rewards, failures, reward_parts = self.rewards(prompts, texts)  # [B, K]
         finished = torch.tensor([[c.finished for c in g] for g in groups])  # [B, K]
@@ -120,20 +124,25 @@ class RolloutDataModule(L.LightningDataModule):
 
         shaped = batch.rewards  # [N] the reward the estimator sees
         kl_seq = None
+        score = {"sampling": self.engine.sampling, "groups_per_pass": s.groups_per_score_pass}
+        policy_logprobs = None  # [N, C] the trained policy's, where they can differ from the sampler's
+        if s.steps_per_rollout > 1 or (module.reference is not None and not s.sampler_logprobs_exact):
+            policy_logprobs = completion_logprobs(module.policy, batch, **score)  # [N, C]
+        if s.steps_per_rollout > 1:
+            batch.old_logprobs = policy_logprobs
         if module.reference is not None:
             ref_device = next(module.reference.parameters()).device  # the CPU when offloaded
-            batch.ref_logprobs = completion_logprobs(
-                module.reference, batch.to(ref_device), temperature=module.temperature
-            ).to(module.device)
-            kl_tok = kl_per_token(batch.sampler_logprobs, batch.ref_logprobs, estimator=module.kl.estimator)
-            kl_seq = (kl_tok * mask).sum(-1)  # [N]
+            batch.ref_logprobs = completion_logprobs(module.reference, batch.to(ref_device), **score).to(
+                module.device
+            )  # [N, C]
+            logp = batch.sampler_logprobs if policy_logprobs is None else policy_logprobs  # [N, C]
+            kl_tok = kl_per_token(logp, batch.ref_logprobs, estimator=module.kl.estimator)  # [N, C]
+            kl_seq = torch.where(mask.bool(), kl_tok, 0.0).sum(-1)  # [N]
             if module.kl.in_reward:
                 shaped = shaped - module.kl_controller.value * kl_seq
         batch.advantages = estimators.compute_advantages(
             s.estimator, shaped.view(-1, s.samples_per_prompt), whiten=s.whiten
         ).reshape(-1)  # [N]
-        if s.steps_per_rollout > 1:
-            batch.old_logprobs = completion_logprobs(module.policy, batch, temperature=module.temperature)
 
         lengths = torch.tensor([[len(c.token_ids) for c in g] for g in groups], dtype=torch.float)  # [B, K]
         scorable = ~rewards.isnan()  # [B, K]
@@ -161,7 +170,10 @@ class RolloutDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         s = self.settings
         step = self.trainer.current_epoch
-        batch = self.rollout(self.trainer.lightning_module, step)
+        # the precision plugin's autocast (bf16-mixed): the sampler and the scoring passes compute
+        # in the same dtype as training_step
+        with self.trainer.precision_plugin.forward_context():
+            batch = self.rollout(self.trainer.lightning_module, step)
         # Mini-batches of whole groups: shuffled per pass with a generator seeded by (seed, step).
         gen = torch.Generator().manual_seed(int(np.random.default_rng([s.seed, step, 1]).integers(2**62)))
         minibatches = []
@@ -175,6 +187,10 @@ class RolloutDataModule(L.LightningDataModule):
             range(s.prompts_per_step), batch_sampler=minibatches, collate_fn=batch.select_groups
         )
 
+    def decode(self, groups: list[list[Completion]]) -> list[list[str]]:
+        """Completion texts [B][K], without the end-of-sequence token that ended them."""
+        return [[self.tokenizer.decode(c.text_ids, skip_special_tokens=True) for c in g] for g in groups]
+
     # ---- held-out evaluation -------------------------------------------------------------------
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.eval_prompts, batch_size=self.settings.eval_batch_size, collate_fn=list)
@@ -185,14 +201,10 @@ class RolloutDataModule(L.LightningDataModule):
         self.engine.sync(policy, version=self.trainer.global_step if self.trainer else None)
         ids = self.encode_prompts(prompts)
         greedy = self.engine.generate(ids, n=1, greedy=True)
-        greedy_texts = [[self.tokenizer.decode(g[0].token_ids, skip_special_tokens=True)] for g in greedy]
-        correct = correctness(self.task.is_correct, prompts, greedy_texts).view(-1)  # [n]
+        correct = correctness(self.task.is_correct, prompts, self.decode(greedy)).view(-1)  # [n]
         pass_k = None
         if self.settings.pass_k > 0:
             groups = self.engine.generate(ids, n=self.settings.pass_k)
-            texts = [
-                [self.tokenizer.decode(c.token_ids, skip_special_tokens=True) for c in g] for g in groups
-            ]
-            pass_k = correctness(self.task.is_correct, prompts, texts).amax(-1)  # [n]
+            pass_k = correctness(self.task.is_correct, prompts, self.decode(groups)).amax(-1)  # [n]
         self.engine.sleep()
         return correct, pass_k

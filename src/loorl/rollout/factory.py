@@ -8,7 +8,7 @@ import logging
 from omegaconf import DictConfig
 
 from loorl.errors import ConfigError
-from loorl.rollout.engine import RolloutEngine, SamplingConfig
+from loorl.rollout.engine import RolloutEngine, SamplingConfig, eos_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def build_engine(
     name, reason = resolve_engine(rollout_cfg.engine)
     log.info("rollout engine: %s (%s)", name, reason)
     sampling = sampling_config(rollout_cfg)
-    ids = {"eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    ids = {"eos_token_ids": eos_token_ids(model_path, tokenizer), "pad_token_id": tokenizer.pad_token_id}
     if name == "hf":
         from loorl.rollout.hf_engine import HFEngine
 

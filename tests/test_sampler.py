@@ -1,0 +1,212 @@
+"""The sampler is the distribution the trainer scores: no model generation defaults leak in,
+top-k/top-p truncation is scored by the trainer too, and every EOS id ends a completion."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pytest
+import torch
+from hydra.utils import instantiate
+
+from loorl.losses import token_entropy, token_logprobs, truncate_logits
+from loorl.models import ensure_tiny_model, load_causal_lm, load_tokenizer
+from loorl.rollout.engine import SamplingConfig, eos_token_ids
+from loorl.rollout.hf_engine import HFEngine
+from loorl.train import train
+from tests_support import quick_cfg_at
+
+# What an instruct model's generation_config.json may hold, made worse: every field changes sampling.
+HOSTILE_GENERATION_CONFIG = {
+    "repetition_penalty": 1.5,
+    "temperature": 0.3,
+    "top_p": 0.5,
+    "top_k": 3,
+    "do_sample": True,
+    "no_repeat_ngram_size": 2,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(model_cache):
+    cfg = quick_cfg_at(model_cache)
+    return ensure_tiny_model(cfg.model, cfg.task, instantiate(cfg.task))
+
+
+def _copy_model(src, dst, *, generation: dict | None = None, config: dict | None = None):
+    shutil.copytree(src, dst)
+    gen_path = dst / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+    gen_path.write_text(json.dumps({**gen, **(generation or {})}))
+    if config:
+        cfg_path = dst / "config.json"
+        cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), **config}))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def hostile_dir(tiny_dir, tmp_path_factory):
+    return _copy_model(
+        tiny_dir, tmp_path_factory.mktemp("hostile") / "model", generation=HOSTILE_GENERATION_CONFIG
+    )
+
+
+def _history(tmp_path, cache, *overrides):
+    cfg = quick_cfg_at(cache, "rl.steps=3", "val_every=3", *overrides, output_dir=str(tmp_path))
+    train(cfg)
+    return json.loads((tmp_path / "metrics.json").read_text())["history"]
+
+
+# ---- no generation defaults from the model's files ---------------------------------------------
+def test_model_generation_config_does_not_change_the_hf_sampler(hostile_dir, model_cache, tmp_path):
+    history = _history(tmp_path, model_cache, f"model.name_or_path={hostile_dir}", "rollout=hf")
+    worst = max(v for _, v in history["train/sampler_logratio_max"])
+    assert worst < 1e-4, worst  # with the model's repetition penalty leaking in it was ~0.1
+
+
+@pytest.mark.vllm
+def test_model_generation_config_does_not_change_the_vllm_sampler(hostile_dir, model_cache, tmp_path):
+    pytest.importorskip("vllm")
+    history = _history(tmp_path, model_cache, f"model.name_or_path={hostile_dir}", "rollout=vllm")
+    worst = max(v for _, v in history["train/sampler_logratio_max"])
+    assert worst < 1e-3, worst
+
+
+def test_greedy_is_deterministic_argmax_despite_the_model_config(hostile_dir):
+    tok = load_tokenizer(str(hostile_dir))
+    model = load_causal_lm(str(hostile_dir), dtype="float32")
+    engine = HFEngine(
+        SamplingConfig(max_new_tokens=6), eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id
+    )
+    engine.sync(model)
+    prompts = [tok(f"{a}+{b}=", add_special_tokens=False).input_ids for a, b in [(3, 4), (12, 9), (7, 21)]]
+    runs = [[g[0].token_ids for g in engine.generate(prompts, n=1, greedy=True)] for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2]
+    for prompt, tokens in zip(prompts, runs[0]):  # each token is the argmax given the prefix
+        ids = torch.tensor([prompt + tokens])  # [1, P + C]
+        with torch.no_grad():
+            argmax = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].argmax(-1)  # [C]
+        assert argmax.tolist() == tokens
+    assert model.generation_config.repetition_penalty == 1.5  # the model's own config is left as it was
+
+
+# ---- top-k / top-p: the trainer scores the truncated distribution ------------------------------
+def _hf_reference_truncation(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """transformers' own warpers, applied to [n, V] rows: the sampler the trainer must match."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    out = scaled
+    if top_k > 0:
+        out = TopKLogitsWarper(top_k)(None, out)
+    if top_p < 1.0:
+        out = TopPLogitsWarper(top_p)(None, out)
+    return out
+
+
+@pytest.mark.parametrize(("top_k", "top_p"), [(5, 1.0), (0, 0.5), (0, 0.9), (7, 0.8), (1, 1.0), (50, 1.0)])
+def test_truncation_matches_transformers_warpers(top_k, top_p):
+    g = torch.Generator().manual_seed(top_k * 10 + int(top_p * 10))
+    logits = torch.randn(3, 5, 40, generator=g) * 2  # [n, T, V]
+    logits[0, 0, :4] = 5.0  # ties at the top
+    got = truncate_logits(logits, top_k=top_k, top_p=top_p)  # [n, T, V]
+    want = _hf_reference_truncation(logits.reshape(-1, 40), top_k, top_p).view_as(logits)
+    assert torch.equal(torch.isinf(got), torch.isinf(want))
+    torch.testing.assert_close(got[~torch.isinf(got)], logits[~torch.isinf(got)])
+
+
+def test_truncated_logprobs_value_gradient_and_kept_sampled_token():
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(2, 3, 12, generator=g, dtype=torch.float64) * 2).requires_grad_()  # [n, T, V]
+    kept = logits.detach().topk(4, dim=-1).indices  # [n, T, 4]
+    tokens = kept[..., 1].clone()  # [n, T] a token inside the top 4
+    tokens[0, 0] = logits[0, 0].detach().argmin()  # ... and one outside it: it must stay scorable
+    got = token_logprobs(logits, tokens, temperature=0.7, top_k=4)  # [n, T]
+    # by hand: log-softmax over the kept set (top 4, plus the sampled token)
+    want = torch.empty_like(got)
+    for i in range(2):
+        for t in range(3):
+            support = set(kept[i, t].tolist()) | {int(tokens[i, t])}
+            sub = torch.stack([logits[i, t, v] / 0.7 for v in sorted(support)])
+            want[i, t] = logits[i, t, tokens[i, t]] / 0.7 - torch.logsumexp(sub, 0)
+    torch.testing.assert_close(got, want)
+    w = torch.randn(2, 3, generator=g, dtype=torch.float64)
+    (grad_got,) = torch.autograd.grad((got * w).sum(), logits)
+    (grad_want,) = torch.autograd.grad((want * w).sum(), logits)
+    torch.testing.assert_close(grad_got, grad_want)
+    assert torch.isfinite(got).all()
+    # entropy of the truncated distribution: log 4 for four equal kept logits
+    flat = torch.tensor([[[3.0, 3.0, 3.0, 3.0, 0.0, -1.0]]])  # [1, 1, 6]
+    assert float(token_entropy(flat, top_k=4)) == pytest.approx(math.log(4))
+    # top_p=0.5: the four top entries have 0.246 each; dropping from the bottom while the dropped
+    # mass stays <= 0.5 removes both small ones and one top entry, leaving three equal ones
+    assert float(token_entropy(flat, top_p=0.5)) == pytest.approx(math.log(3))
+
+
+@pytest.mark.parametrize("override", ["rollout.top_k=5", "rollout.top_p=0.5"])
+def test_truncated_sampling_trains_on_the_sampler_distribution(model_cache, tmp_path, override):
+    history = _history(tmp_path, model_cache, "rollout=hf", override)
+    worst = max(abs(v) for _, v in history["train/sampler_logratio_mean"])
+    assert worst < 1e-4, worst  # was -1.86 (top_k=5) and -0.67 (top_p=0.5) scoring the full softmax
+
+
+# ---- every EOS id ends a completion ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two_eos_dir(tiny_dir, tmp_path_factory):
+    tok = load_tokenizer(str(tiny_dir))
+    five = tok.convert_tokens_to_ids("5")
+    ids = [tok.eos_token_id, five]  # "5" plays a second EOS, like Qwen's <|endoftext|>
+    path = _copy_model(
+        tiny_dir,
+        tmp_path_factory.mktemp("two_eos") / "model",
+        generation={"eos_token_id": ids},
+        config={"eos_token_id": ids},
+    )
+    return path, ids
+
+
+def _check_every_eos_ends(groups, ids, *, second_must_occur=True):
+    stopped_at_second = 0
+    for group in groups:
+        for c in group:
+            assert not set(c.token_ids[:-1]) & set(ids)  # nothing after the first EOS of any kind
+            assert c.finished == (c.token_ids[-1] in ids)
+            stopped_at_second += c.token_ids[-1] == ids[1]
+            assert c.text_ids == (c.token_ids[:-1] if c.finished else c.token_ids)
+    assert stopped_at_second > 0 or not second_must_occur  # the second id really ended completions
+
+
+def _engine_for(cfg, path):
+    from loorl.rollout.factory import build_engine
+
+    tok = load_tokenizer(str(path))
+    return build_engine(cfg.rollout, tok, model_path=str(path), model_dtype="float32", seed=0), tok
+
+
+def _prompts(tok):
+    return [tok(f"{a}+{b}=", add_special_tokens=False).input_ids for a in range(0, 30, 3) for b in (2, 5, 13)]
+
+
+def test_eos_ids_come_from_tokenizer_config_and_generation_config(two_eos_dir):
+    path, ids = two_eos_dir
+    assert eos_token_ids(str(path), load_tokenizer(str(path))) == ids
+
+
+def test_hf_engine_stops_at_every_eos_id(two_eos_dir, model_cache):
+    path, ids = two_eos_dir
+    engine, tok = _engine_for(quick_cfg_at(model_cache, "rollout=hf"), path)
+    assert engine.eos_token_ids == ids
+    engine.sync(load_causal_lm(str(path), dtype="float32"))
+    torch.manual_seed(0)
+    _check_every_eos_ends(engine.generate(_prompts(tok), n=4), ids)
+    _check_every_eos_ends(engine.generate(_prompts(tok), n=1, greedy=True), ids, second_must_occur=False)
+
+
+@pytest.mark.vllm
+def test_vllm_engine_stops_at_every_eos_id(two_eos_dir, model_cache):
+    pytest.importorskip("vllm")
+    path, ids = two_eos_dir
+    engine, tok = _engine_for(quick_cfg_at(model_cache, "rollout=vllm"), path)
+    engine.sync(load_causal_lm(str(path), dtype="float32"), version=0)
+    _check_every_eos_ends(engine.generate(_prompts(tok), n=4), ids)
