@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from loorl import estimators
-from loorl.estimators import compute_advantages, masked_mean, masked_std
+from loorl.estimators import compute_advantages
+from loorl.masked import masked_mean, masked_std
 
 NAN = float("nan")
 ALL = ["dr_grpo", "grpo", "reinforce", "reinforce_pp", "reinforce_pp_baseline", "rloo"]

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from loorl.logprobs import token_entropy, token_logprobs
 from loorl.losses import (
     AGGREGATIONS,
     KL_ESTIMATORS,
@@ -16,8 +17,6 @@ from loorl.losses import (
     clipped_surrogate_token_loss,
     kl_per_token,
     reinforce_token_loss,
-    token_entropy,
-    token_logprobs,
 )
 
 NAN = float("nan")

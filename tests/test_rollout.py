@@ -9,11 +9,11 @@ import torch
 from hydra.utils import instantiate
 
 from loorl import estimators
+from loorl.logprobs import completion_logits, completion_logprobs
 from loorl.models import ensure_tiny_model, load_causal_lm, load_tokenizer
 from loorl.rollout.batch import assemble
 from loorl.rollout.engine import Completion, SamplingConfig
 from loorl.rollout.hf_engine import HFEngine
-from loorl.scoring import completion_logits, completion_logprobs
 from loorl.tasks.base import Prompt
 from loorl.train import build_datamodule, build_module
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from loorl.losses import token_entropy, token_logprobs, truncate_logits
+from loorl.logprobs import token_entropy, token_logprobs, truncate_logits
 from loorl.models import ensure_tiny_model, load_causal_lm, load_tokenizer
 from loorl.rollout.engine import SamplingConfig, eos_token_ids
 from loorl.rollout.hf_engine import HFEngine

@@ -7,11 +7,11 @@ import torch
 from hydra.utils import instantiate
 
 from loorl.errors import ConfigError
+from loorl.logprobs import completion_logprobs
 from loorl.models import ensure_tiny_model, load_tokenizer
 from loorl.rollout.batch import assemble
 from loorl.rollout.factory import build_engine, resolve_engine
 from loorl.rollout.hf_engine import HFEngine
-from loorl.scoring import completion_logprobs
 from loorl.train import build_datamodule, build_module, train
 from tests_support import quick_cfg_at
 

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from loorl.errors import ConfigError
+from loorl.padding import pad
 from loorl.tasks.base import Task
 
 log = logging.getLogger(__name__)
@@ -119,12 +120,8 @@ def warm_start(policy, tokenizer, task: Task, *, steps: int, batch_size: int, lr
             raise ConfigError(
                 f"no warm-start example fits model.tiny.max_position_embeddings={max_len}: raise it"
             )
-        width = max(map(len, seqs))
-        ids = torch.full((len(seqs), width), tokenizer.pad_token_id)  # [B, L] right-padded
-        target_mask = torch.zeros(len(seqs), width)  # [B, L]
-        for i, (s, m) in enumerate(zip(seqs, masks)):
-            ids[i, : len(s)] = torch.tensor(s)
-            target_mask[i, : len(m)] = torch.tensor(m, dtype=torch.float)
+        ids, _ = pad(seqs, value=tokenizer.pad_token_id, side="right")  # [B, L]
+        target_mask, _ = pad(masks, value=0.0, side="right", dtype=torch.float)  # [B, L] 1 on the answer
         logits = policy(input_ids=ids).logits[:, :-1]  # [B, L-1, V]
         nll = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"

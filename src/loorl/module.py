@@ -22,6 +22,7 @@ import lightning as L
 import torch
 from torchmetrics import MeanMetric
 
+from loorl.logprobs import completion_logits, token_entropy, token_logprobs
 from loorl.losses import (
     AdaptiveKLController,
     FixedKLController,
@@ -29,13 +30,10 @@ from loorl.losses import (
     clipped_surrogate_token_loss,
     kl_per_token,
     reinforce_token_loss,
-    token_entropy,
-    token_logprobs,
 )
 from loorl.models import load_causal_lm
 from loorl.rollout.batch import RolloutBatch
 from loorl.rollout.engine import SamplingConfig
-from loorl.scoring import completion_logits
 
 log = logging.getLogger(__name__)
 

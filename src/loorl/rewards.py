@@ -1,4 +1,4 @@
-"""Scoring completions: the task's verifier, reward models and custom functions, combined with weights.
+"""Rewarding completions: the task's verifier, reward models and custom functions, combined with weights.
 
 A reward function is any callable with TRL's signature,
 `fn(prompts: list[str], completions: list[str], **columns) -> list[float | None]`, where `columns`

@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from loorl.padding import pad
 from loorl.rollout.engine import Completion
 
 
@@ -71,29 +72,19 @@ def assemble(
     `loss_on_truncated=False` masks completions cut by the length limit out of the loss.
     """
     k = len(completions[0])
-    p_len = max(map(len, prompt_ids))
-    c_len = max(1, max(len(c.token_ids) for group in completions for c in group))
-    n = len(prompt_ids) * k
-    input_ids = torch.full((n, p_len + c_len), pad_token_id, dtype=torch.long)  # [N, P + C]
-    attention = torch.zeros(n, p_len + c_len, dtype=torch.long)  # [N, P + C]
-    comp_mask = torch.zeros(n, c_len)  # [N, C]
-    logprobs = torch.zeros(n, c_len)  # [N, C]
-    for g, (prompt, group) in enumerate(zip(prompt_ids, completions)):
-        for i, c in enumerate(group):
-            row, m = g * k + i, len(c.token_ids)
-            input_ids[row, p_len - len(prompt) : p_len] = torch.tensor(prompt)
-            attention[row, p_len - len(prompt) : p_len + m] = 1
-            if m:
-                input_ids[row, p_len : p_len + m] = torch.tensor(c.token_ids)
-                logprobs[row, :m] = torch.tensor(c.logprobs)
-                comp_mask[row, :m] = 1.0 if (c.finished or loss_on_truncated) else 0.0
+    flat = [c for group in completions for c in group]  # row g*K + i is sample i of prompt g
+    c_len = max(1, max(len(c.token_ids) for c in flat))
+    prompts, prompt_mask = pad([p for p in prompt_ids for _ in range(k)], value=pad_token_id, side="left")
+    tokens, token_mask = pad([c.token_ids for c in flat], value=pad_token_id, side="right", width=c_len)
+    logprobs, _ = pad([c.logprobs for c in flat], value=0.0, side="right", width=c_len, dtype=torch.float)
+    in_loss = torch.tensor([c.finished or loss_on_truncated for c in flat]).unsqueeze(-1)  # [N, 1]
     return RolloutBatch(
-        input_ids=input_ids,
-        attention_mask=attention,
-        completion_mask=comp_mask,
+        input_ids=torch.cat([prompts, tokens], dim=1),  # [N, P + C]
+        attention_mask=torch.cat([prompt_mask, token_mask], dim=1),  # [N, P + C]
+        completion_mask=(token_mask * in_loss).float(),  # [N, C]
         sampler_logprobs=logprobs,
         rewards=rewards.reshape(-1).float(),
         advantages=advantages.reshape(-1).float(),
         group_size=k,
-        prompt_len=p_len,
+        prompt_len=prompts.shape[1],
     )

@@ -19,11 +19,12 @@ from torch.utils.data import DataLoader
 
 from loorl import estimators
 from loorl.errors import ConfigError
+from loorl.logprobs import completion_logprobs
 from loorl.losses import kl_per_token
+from loorl.masked import masked_std
 from loorl.rewards import RewardComposer, WeightedReward, correctness, task_reward_fn
 from loorl.rollout.batch import RolloutBatch, assemble
 from loorl.rollout.engine import Completion, RolloutEngine
-from loorl.scoring import completion_logprobs
 from loorl.tasks.base import Prompt, Task
 
 log = logging.getLogger(__name__)
@@ -146,10 +147,10 @@ class RolloutDataModule(L.LightningDataModule):
 
         lengths = torch.tensor([[len(c.token_ids) for c in g] for g in groups], dtype=torch.float)  # [B, K]
         scorable = ~rewards.isnan()  # [B, K]
-        group_std = estimators.masked_std(rewards, scorable, dim=-1)  # [B] 0 with < 2 scorable
+        group_std = masked_std(rewards, scorable, dim=-1)  # [B] 0 with < 2 scorable
         # (the reward mean is logged by the module as `rollout/reward`, a torchmetrics MeanMetric)
         self.last_stats = {
-            "rollout/reward_std": float(estimators.masked_std(rewards, scorable)),
+            "rollout/reward_std": float(masked_std(rewards, scorable)),
             "rollout/accuracy": float(correct.mean()),
             "rollout/completion_len": float(lengths.mean()),
             "rollout/truncated_frac": float((~finished).float().mean()),

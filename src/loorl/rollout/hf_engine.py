@@ -16,6 +16,7 @@ from contextlib import contextmanager
 
 import torch
 
+from loorl.padding import pad
 from loorl.rollout.engine import Completion, RolloutEngine, SamplingConfig
 
 
@@ -84,12 +85,8 @@ class HFEngine(RolloutEngine):
         out: list[Completion] = []
         for start in range(0, len(flat), self.batch_size):
             chunk = flat[start : start + self.batch_size]
-            width = max(map(len, chunk))
-            ids = torch.full((len(chunk), width), self.pad_token_id, dtype=torch.long)  # [b, P] left-padded
-            mask = torch.zeros(len(chunk), width, dtype=torch.long)  # [b, P]
-            for i, p in enumerate(chunk):
-                ids[i, width - len(p) :] = torch.tensor(p)
-                mask[i, width - len(p) :] = 1
+            ids, mask = pad(chunk, value=self.pad_token_id, side="left")  # [b, P], [b, P]
+            width = ids.shape[1]
             with _clean_generation_defaults(self.policy):
                 res = self.policy.generate(
                     input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config
