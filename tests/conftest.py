@@ -1,4 +1,11 @@
-"""Shared fixtures: Hydra composition and a small tiny-model config that builds in seconds."""
+"""Shared fixtures: one way to build a config (lightning-hydra-template's pattern).
+
+- `make_config(*overrides)` (package scope): `conf/train.yaml` with overrides, its output in a
+  throwaway folder; `quick_config(*overrides)` the same on the quick profile (`debug=quick`, the
+  one `python src/train.py debug=quick` runs), with the session's model cache.
+- `default_cfg(*overrides)` and `quick_cfg(*overrides)` (per test): the same, writing under the test's
+  own `tmp_path` (`<tmp_path>/run`).
+"""
 
 from __future__ import annotations
 
@@ -6,30 +13,10 @@ import os
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from loorl.config import CONF_DIR
+from loorl.config import compose_config
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-# A quick version of the default run: a shorter warm start, fewer and smaller RL steps.
-QUICK = [
-    "model.tiny.warm_start.steps=150",
-    "rl.steps=4",
-    "rl.prompts_per_step=8",
-    "rl.prompts_per_minibatch=8",
-    "rl.prompts_per_microbatch=8",
-    "rl.samples_per_prompt=4",
-    "val_every=2",
-    "task.eval_size=40",
-    "checkpoint_every=2",
-    "trainer.enable_progress_bar=false",
-]
-
-
-def compose_cfg(overrides: list[str] | None = None):
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("train", overrides=list(overrides or []))
 
 
 @pytest.fixture(scope="session")
@@ -38,13 +25,34 @@ def model_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("model_cache")
 
 
-@pytest.fixture
-def quick_cfg(model_cache, tmp_path):
-    """Compose the quick config; extra overrides win."""
+@pytest.fixture(scope="package")
+def make_config(tmp_path_factory):
+    """`make_config(*overrides, output_dir=...)`: the default config (output in a shared folder)."""
+    unused = tmp_path_factory.mktemp("out")
 
-    def make(*extra: str):
-        return compose_cfg(
-            [*QUICK, f"model.cache_dir={model_cache}", f"output_dir={tmp_path / 'run'}", *extra]
-        )
+    def make(*overrides: str, output_dir: str | Path = unused):
+        return compose_config(f"output_dir={output_dir}", *overrides)
 
     return make
+
+
+@pytest.fixture(scope="package")
+def quick_config(make_config, model_cache):
+    """`quick_config(*overrides, output_dir=...)`: the quick profile with the session's model cache."""
+
+    def make(*overrides: str, **kwargs):
+        return make_config("debug=quick", f"model.cache_dir={model_cache}", *overrides, **kwargs)
+
+    return make
+
+
+@pytest.fixture
+def default_cfg(make_config, tmp_path):
+    """`default_cfg(*overrides)`: the default config writing into `<tmp_path>/run`."""
+    return lambda *overrides: make_config(*overrides, output_dir=tmp_path / "run")
+
+
+@pytest.fixture
+def quick_cfg(quick_config, tmp_path):
+    """`quick_cfg(*overrides)`: the quick profile writing into `<tmp_path>/run`; overrides win."""
+    return lambda *overrides: quick_config(*overrides, output_dir=tmp_path / "run")

@@ -42,16 +42,18 @@ def main(cache: str, groups_per_pass: int) -> None:
     import torch
     from hydra.utils import instantiate
 
+    from loorl.config import compose_config
     from loorl.models import load_tokenizer
     from loorl.train import build_datamodule, build_module
-    from tests_support import quick_cfg_at
 
     torch.manual_seed(0)
     model_dir = Path(cache) / "vocab32k"
     if not (model_dir / "config.json").exists():
         build_model(model_dir)
-    cfg = quick_cfg_at(
-        cache,
+    cfg = compose_config(
+        "debug=quick",
+        f"model.cache_dir={cache}",
+        "output_dir=/tmp/loorl-memory-probe",
         f"model.name_or_path={model_dir}",
         "rollout=hf",
         "kl.coef=0.01",  # a reference model, scored over the whole rollout
@@ -69,7 +71,8 @@ def main(cache: str, groups_per_pass: int) -> None:
     dm = build_datamodule(cfg, task, tok, str(model_dir))
     dm.setup("fit")
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    batch = dm.rollout(module, step=0)
+    dm.engine.sync(module.policy)
+    batch, _ = module.prepare(dm.collect(step=0).batch)  # generation, then reference and old log-probs
     after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     assert batch.ref_logprobs is not None and batch.old_logprobs is not None
     print(json.dumps({

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from loorl.config import CONF_DIR
@@ -20,17 +19,17 @@ REPO = CONF_DIR.parent
 QWEN = "Qwen/Qwen2.5-7B-Instruct"
 
 
-def make_cfg(tmp_path: Path, *overrides: str) -> DictConfig:
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(
-            "train",
-            overrides=[*overrides, f"model.cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / 'out'}"],
-        )
+@pytest.fixture
+def bad_cfg(make_config, tmp_path):
+    """The default config with `overrides`, its model cache and output in `tmp_path` (to check
+    that nothing was written there)."""
+    return lambda *overrides: make_config(
+        f"model.cache_dir={tmp_path / 'cache'}", *overrides, output_dir=tmp_path / "out"
+    )
 
 
-def train_fails(tmp_path: Path, *overrides: str) -> str:
+def train_fails(tmp_path: Path, cfg: DictConfig) -> str:
     """Run train() on a bad config; return the one-line message after checking nothing was built."""
-    cfg = make_cfg(tmp_path, *overrides)
     with pytest.raises(ConfigError) as err:
         train(cfg)
     msg = str(err.value)
@@ -95,21 +94,21 @@ CASES = [
 
 
 @pytest.mark.parametrize(("overrides", "setting", "words"), CASES, ids=[" ".join(c[0]) for c in CASES])
-def test_bad_setting_fails_in_one_line(tmp_path, overrides, setting, words):
-    msg = train_fails(tmp_path, *overrides)
+def test_bad_setting_fails_in_one_line(tmp_path, bad_cfg, overrides, setting, words):
+    msg = train_fails(tmp_path, bad_cfg(*overrides))
     assert setting in msg
     for word in words:
         assert word in msg
 
 
-def test_hub_model_offline_fails_fast_with_the_fix(tmp_path, monkeypatch):
+def test_hub_model_offline_fails_fast_with_the_fix(tmp_path, bad_cfg, monkeypatch):
     from huggingface_hub import try_to_load_from_cache
 
     if isinstance(try_to_load_from_cache(QWEN, "config.json"), str):
         pytest.skip(f"{QWEN} is in the local Hugging Face cache")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     t0 = time.perf_counter()
-    msg = train_fails(tmp_path, "model=qwen7b")
+    msg = train_fails(tmp_path, bad_cfg("model=qwen7b"))
     assert time.perf_counter() - t0 < 5
     assert "model.name_or_path" in msg and QWEN in msg
     assert "download" in msg  # how to get it
@@ -179,16 +178,16 @@ def test_cli_kl_term_without_a_kl_gradient(tmp_path, args, listed):
     assert not (tmp_path / "cache").exists()
 
 
-def test_kl_off_accepts_any_estimator_placement(tmp_path):
+def test_kl_off_accepts_any_estimator_placement(bad_cfg):
     from loorl.config import check_config
 
-    check_config(make_cfg(tmp_path, "kl.coef=0", "kl.in_reward=false", "kl.estimator=k1"))
+    check_config(bad_cfg("kl.coef=0", "kl.in_reward=false", "kl.estimator=k1"))
 
 
-def test_gspo_experiment_pairs_the_sequence_ratio_with_its_aggregation(tmp_path):
+def test_gspo_experiment_pairs_the_sequence_ratio_with_its_aggregation(bad_cfg):
     from loorl.config import check_config
 
-    cfg = make_cfg(tmp_path, "experiment=gspo")
+    cfg = bad_cfg("experiment=gspo")
     assert (cfg.loss.ratio_level, cfg.loss.agg, cfg.estimator.name) == (
         "sequence",
         "seq-mean-token-mean",

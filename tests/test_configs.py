@@ -19,11 +19,9 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
 from omegaconf import DictConfig, OmegaConf
 
 from loorl import estimators
-from loorl.config import CONF_DIR, ENGINES, RATIO_LEVELS, check_config, check_group_choices
+from loorl.config import CONF_DIR, check_config, check_group_choices
 from loorl.errors import ConfigError
-from loorl.losses import AGGREGATIONS, KL_ESTIMATORS
-from loorl.models import DTYPES
-from loorl.rollout.datamodule import TRUNCATED_MODES
+from loorl.settings import AGGREGATIONS, DTYPES, ENGINES, KL_ESTIMATORS, RATIO_LEVELS, TRUNCATED_MODES
 
 GROUPS = ["estimator", "model", "task", "rollout", "strategy", "trainer", "logger", "experiment"]
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))]
@@ -36,14 +34,11 @@ NOT_CHECKABLE |= {("model", name) for name in HUB_MODELS}
 YAML_FILES = sorted(CONF_DIR.rglob("*.yaml"))
 
 
-def make_cfg(tmp_path: Path, *overrides: str, hydra_cfg: bool = False) -> DictConfig:
-    # `${hydra:runtime.output_dir}` does not resolve under the compose API: set output_dir.
+def hydra_choices(tmp_path: Path, *overrides: str) -> DictConfig:
+    """The group choices Hydra made (`hydra.runtime.choices`), which only `return_hydra_config` keeps."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(
-            "train",
-            overrides=[*overrides, f"output_dir={tmp_path / 'out'}"],
-            return_hydra_config=hydra_cfg,
-        )
+        cfg = compose("train", overrides=[*overrides, f"output_dir={tmp_path}"], return_hydra_config=True)
+    return cfg.hydra.runtime.choices
 
 
 def test_conf_dir_has_every_group():
@@ -53,12 +48,11 @@ def test_conf_dir_has_every_group():
 
 
 @pytest.mark.parametrize(("group", "option"), OPTIONS, ids=[f"{g}={o}" for g, o in OPTIONS])
-def test_every_option_composes(tmp_path, group, option):
-    cfg = make_cfg(tmp_path, f"{group}={option}", hydra_cfg=True)
-    assert cfg.hydra.runtime.choices[group] == option
-    cfg = make_cfg(tmp_path, f"{group}={option}")
+def test_every_option_composes(default_cfg, tmp_path, group, option):
+    assert hydra_choices(tmp_path, f"{group}={option}")[group] == option
+    cfg = default_cfg(f"{group}={option}")
     OmegaConf.resolve(cfg)  # every interpolation resolves
-    assert cfg.output_dir == str(tmp_path / "out")
+    assert cfg.output_dir == str(tmp_path / "run")
     if (group, option) not in NOT_CHECKABLE:
         check_config(cfg)
 
@@ -66,8 +60,8 @@ def test_every_option_composes(tmp_path, group, option):
 # ---- defaults ---------------------------------------------------------------------------------
 
 
-def test_default_config_passes_check_and_keeps_seed_zero(tmp_path):
-    cfg = make_cfg(tmp_path)
+def test_default_config_passes_check_and_keeps_seed_zero(default_cfg, tmp_path):
+    cfg = default_cfg()
     assert cfg.seed == 0 and cfg.seed is not None and isinstance(cfg.seed, int)
     assert cfg.estimator.name == "rloo"
     assert cfg.model.name == "tiny"
@@ -76,11 +70,11 @@ def test_default_config_passes_check_and_keeps_seed_zero(tmp_path):
     assert set(cfg.logger) == {"csv"}
     assert cfg.resume_from is None
     check_config(cfg)  # needs no model: the tiny model is not built by the check
-    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "run").exists()
 
 
-def test_default_minibatch_divides_prompts_per_step(tmp_path):
-    rl = make_cfg(tmp_path).rl
+def test_default_minibatch_divides_prompts_per_step(default_cfg):
+    rl = default_cfg().rl
     assert rl.prompts_per_step % rl.prompts_per_minibatch == 0
     assert rl.samples_per_prompt >= estimators.min_group_size("rloo")
 
@@ -95,8 +89,8 @@ def test_estimator_files_match_registry():
 
 
 @pytest.mark.parametrize("name", ESTIMATOR_FILES)
-def test_estimator_sets_its_name(tmp_path, name):
-    cfg = make_cfg(tmp_path, f"estimator={name}")
+def test_estimator_sets_its_name(default_cfg, name):
+    cfg = default_cfg(f"estimator={name}")
     assert cfg.estimator.name == name
     assert cfg.estimator.whiten is False
     expected_agg = "seq-mean-token-sum-norm" if name == "dr_grpo" else "seq-mean-token-sum"
@@ -104,8 +98,8 @@ def test_estimator_sets_its_name(tmp_path, name):
     assert cfg.loss.agg in AGGREGATIONS
 
 
-def test_command_line_overrides_estimator_file(tmp_path):
-    cfg = make_cfg(tmp_path, "estimator=dr_grpo", "loss.agg=token-mean", "estimator.whiten=true")
+def test_command_line_overrides_estimator_file(default_cfg):
+    cfg = default_cfg("estimator=dr_grpo", "loss.agg=token-mean", "estimator.whiten=true")
     assert cfg.estimator.name == "dr_grpo"
     assert cfg.loss.agg == "token-mean"
     assert cfg.estimator.whiten is True
@@ -115,8 +109,8 @@ def test_command_line_overrides_estimator_file(tmp_path):
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml")))
-def test_model_files_have_the_loading_keys(tmp_path, name):
-    m = make_cfg(tmp_path, f"model={name}").model
+def test_model_files_have_the_loading_keys(default_cfg, name):
+    m = default_cfg(f"model={name}").model
     assert m.name == name
     for key in ("name_or_path", "cache_dir", "dtype", "ref_dtype", "attn_implementation"):
         assert key in m, f"model={name} lacks model.{key}"
@@ -126,25 +120,25 @@ def test_model_files_have_the_loading_keys(tmp_path, name):
     assert (m.name_or_path is None) != (m.tiny is None)
 
 
-def test_tiny_model(tmp_path):
-    m = make_cfg(tmp_path, "model=tiny", "model.dtype=bfloat16").model
+def test_tiny_model(default_cfg):
+    m = default_cfg("model=tiny", "model.dtype=bfloat16").model
     assert m.name_or_path is None
     assert m.ref_dtype == "bfloat16"  # follows model.dtype
     assert m.tiny.hidden_size % m.tiny.num_heads == 0
     assert m.tiny.num_heads % m.tiny.num_kv_heads == 0
 
 
-def test_qwen7b_model(tmp_path):
-    m = make_cfg(tmp_path, "model=qwen7b").model
+def test_qwen7b_model(default_cfg):
+    m = default_cfg("model=qwen7b").model
     assert m.name_or_path == "Qwen/Qwen2.5-7B-Instruct"
     assert m.dtype == "bfloat16" and m.ref_dtype == "bfloat16"
 
 
-def test_model_cache_dir_follows_loorl_cache(tmp_path, monkeypatch):
+def test_model_cache_dir_follows_loorl_cache(default_cfg, tmp_path, monkeypatch):
     monkeypatch.setenv("LOORL_CACHE", str(tmp_path / "c"))
-    assert make_cfg(tmp_path).model.cache_dir == str(tmp_path / "c")
+    assert default_cfg().model.cache_dir == str(tmp_path / "c")
     monkeypatch.delenv("LOORL_CACHE")
-    assert make_cfg(tmp_path).model.cache_dir == "~/.cache/loorl"
+    assert default_cfg().model.cache_dir == "~/.cache/loorl"
 
 
 # ---- task and rollout -------------------------------------------------------------------------
@@ -152,8 +146,8 @@ def test_model_cache_dir_follows_loorl_cache(tmp_path, monkeypatch):
 
 # the data-set tasks (gsm8k, math) are instantiated with fixture data in tests/test_tasks.py
 @pytest.mark.parametrize("name", ["arithmetic"])
-def test_task_instantiates_and_yields_eval_prompts(tmp_path, name):
-    cfg = make_cfg(tmp_path, f"task={name}")
+def test_task_instantiates_and_yields_eval_prompts(default_cfg, name):
+    cfg = default_cfg(f"task={name}")
     task = instantiate(cfg.task)
     assert task.name == cfg.task.name == name
     prompts = task.eval_prompts()
@@ -165,8 +159,8 @@ def test_task_instantiates_and_yields_eval_prompts(tmp_path, name):
     assert task.reward(p, p.answer + "9") == 0.0
 
 
-def test_arithmetic_task_prompts(tmp_path):
-    cfg = make_cfg(tmp_path, "task=arithmetic", "task.eval_size=10")
+def test_arithmetic_task_prompts(default_cfg):
+    cfg = default_cfg("task=arithmetic", "task.eval_size=10")
     task = instantiate(cfg.task)
     prompts = task.eval_prompts()
     assert len(prompts) == 10
@@ -176,60 +170,60 @@ def test_arithmetic_task_prompts(tmp_path):
         assert cfg.task.min_operand <= a <= cfg.task.max_operand
 
 
-def test_rollout_hf(tmp_path):
-    r = make_cfg(tmp_path, "rollout=hf").rollout
+def test_rollout_hf(default_cfg):
+    r = default_cfg("rollout=hf").rollout
     assert r.engine == "hf" and r.engine in ENGINES
     assert r.truncated in TRUNCATED_MODES
     assert 0 < r.top_p <= 1 and r.top_k >= 0 and r.temperature > 0
 
 
 @pytest.mark.parametrize("option", ["vllm", "auto"])
-def test_rollout_vllm_and_auto_share_the_sampling_settings(tmp_path, option):
-    r = make_cfg(tmp_path, f"rollout={option}").rollout
-    hf = make_cfg(tmp_path, "rollout=hf").rollout
+def test_rollout_vllm_and_auto_share_the_sampling_settings(default_cfg, option):
+    r = default_cfg(f"rollout={option}").rollout
+    hf = default_cfg("rollout=hf").rollout
     assert r.engine == option
     for key in ("temperature", "top_p", "top_k", "max_new_tokens", "truncated", "max_prompt_length"):
         assert r[key] == hf[key]
     assert r.vllm.tensor_parallel_size == 1 and 0 < r.vllm.gpu_memory_utilization <= 1
-    assert make_cfg(tmp_path).rollout.engine == "auto"  # the default
+    assert default_cfg().rollout.engine == "auto"  # the default
 
 
-def test_tis_cap_comes_from_the_model_config(tmp_path):
-    assert make_cfg(tmp_path).loss.tis_cap is None
-    assert make_cfg(tmp_path, "model=qwen7b").loss.tis_cap == 2.0
-    assert make_cfg(tmp_path, "model=qwen7b", "loss.tis_cap=null").loss.tis_cap is None
+def test_tis_cap_comes_from_the_model_config(default_cfg):
+    assert default_cfg().loss.tis_cap is None
+    assert default_cfg("model=qwen7b").loss.tis_cap == 2.0
+    assert default_cfg("model=qwen7b", "loss.tis_cap=null").loss.tis_cap is None
 
 
-def test_rollout_max_new_tokens_follows_task(tmp_path):
-    cfg = make_cfg(tmp_path)
+def test_rollout_max_new_tokens_follows_task(default_cfg):
+    cfg = default_cfg()
     assert cfg.rollout.max_new_tokens == cfg.task.max_new_tokens == 5
-    assert make_cfg(tmp_path, "task.max_new_tokens=7").rollout.max_new_tokens == 7
-    cfg = make_cfg(tmp_path, "rollout.max_new_tokens=3")
+    assert default_cfg("task.max_new_tokens=7").rollout.max_new_tokens == 7
+    cfg = default_cfg("rollout.max_new_tokens=3")
     assert cfg.rollout.max_new_tokens == 3 and cfg.task.max_new_tokens == 5
 
 
 # ---- strategy and trainer ---------------------------------------------------------------------
 
 
-def test_strategy_auto(tmp_path):
-    assert make_cfg(tmp_path, "strategy=auto").trainer.strategy == "auto"
+def test_strategy_auto(default_cfg):
+    assert default_cfg("strategy=auto").trainer.strategy == "auto"
 
 
-def test_strategy_ddp_instantiates(tmp_path):
-    strategy = instantiate(make_cfg(tmp_path, "strategy=ddp").trainer.strategy)
+def test_strategy_ddp_instantiates(default_cfg):
+    strategy = instantiate(default_cfg("strategy=ddp").trainer.strategy)
     assert isinstance(strategy, DDPStrategy)
 
 
-def test_strategy_fsdp_instantiates(tmp_path):
-    cfg = make_cfg(tmp_path, "strategy=fsdp")
+def test_strategy_fsdp_instantiates(default_cfg):
+    cfg = default_cfg("strategy=fsdp")
     assert cfg.trainer.strategy._target_ == "loorl.strategies.fsdp_strategy"
     strategy = instantiate(cfg.trainer.strategy)  # constructing is fine on CPU; setup is not
     assert isinstance(strategy, FSDPStrategy)
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (CONF_DIR / "trainer").glob("*.yaml")))
-def test_trainer_instantiates(tmp_path, name):
-    cfg = make_cfg(tmp_path, f"trainer={name}", "rl.steps=3", "val_every=2")
+def test_trainer_instantiates(default_cfg, tmp_path, name):
+    cfg = default_cfg(f"trainer={name}", "rl.steps=3", "val_every=2")
     assert cfg.trainer.max_epochs == 3
     assert cfg.trainer.reload_dataloaders_every_n_epochs == 1
     extra = {"accelerator": "cpu"} if cfg.trainer.accelerator == "gpu" else {}
@@ -242,11 +236,11 @@ def test_trainer_instantiates(tmp_path, name):
     assert trainer.reload_dataloaders_every_n_epochs == 1
     assert trainer.check_val_every_n_epoch == 2
     assert trainer.num_devices == 1
-    assert trainer.default_root_dir == str(tmp_path / "out")
+    assert trainer.default_root_dir == str(tmp_path / "run")
 
 
-def test_trainer_gpu_asks_for_a_gpu(tmp_path):
-    t = make_cfg(tmp_path, "trainer=gpu").trainer
+def test_trainer_gpu_asks_for_a_gpu(default_cfg):
+    t = default_cfg("trainer=gpu").trainer
     assert t.accelerator == "gpu"
     assert t.reload_dataloaders_every_n_epochs == 1  # inherited from trainer/default.yaml
 
@@ -254,42 +248,42 @@ def test_trainer_gpu_asks_for_a_gpu(tmp_path):
 # ---- loggers ----------------------------------------------------------------------------------
 
 
-def test_logger_csv(tmp_path):
-    cfg = make_cfg(tmp_path, "logger=csv")
+def test_logger_csv(default_cfg, tmp_path):
+    cfg = default_cfg("logger=csv")
     assert set(cfg.logger) == {"csv"}
     logger = instantiate(cfg.logger.csv)
     assert isinstance(logger, CSVLogger)
-    assert Path(logger.log_dir) == tmp_path / "out"
+    assert Path(logger.log_dir) == tmp_path / "run"
 
 
-def test_logger_tensorboard(tmp_path):
+def test_logger_tensorboard(default_cfg, tmp_path):
     pytest.importorskip("tensorboard")
-    cfg = make_cfg(tmp_path, "logger=tensorboard")
+    cfg = default_cfg("logger=tensorboard")
     assert set(cfg.logger) == {"tensorboard"}
     logger = instantiate(cfg.logger.tensorboard)
     assert isinstance(logger, TensorBoardLogger)
-    assert Path(logger.log_dir) == tmp_path / "out" / "tensorboard"
+    assert Path(logger.log_dir) == tmp_path / "run" / "tensorboard"
 
 
-def test_logger_wandb_composes_offline(tmp_path):
-    cfg = make_cfg(tmp_path, "logger=wandb")
+def test_logger_wandb_composes_offline(default_cfg, tmp_path):
+    cfg = default_cfg("logger=wandb")
     assert set(cfg.logger) == {"wandb"}
     assert cfg.logger.wandb._target_ == "lightning.pytorch.loggers.WandbLogger"
     assert cfg.logger.wandb.offline is True
-    assert cfg.logger.wandb.save_dir == str(tmp_path / "out")
+    assert cfg.logger.wandb.save_dir == str(tmp_path / "run")
 
 
-def test_logger_wandb_instantiates(tmp_path, monkeypatch):
+def test_logger_wandb_instantiates(default_cfg, monkeypatch):
     pytest.importorskip("wandb")
     from lightning.pytorch.loggers import WandbLogger
 
     monkeypatch.setenv("WANDB_MODE", "offline")
-    logger = instantiate(make_cfg(tmp_path, "logger=wandb").logger.wandb)
+    logger = instantiate(default_cfg("logger=wandb").logger.wandb)
     assert isinstance(logger, WandbLogger)
 
 
-def test_several_loggers(tmp_path):
-    cfg = make_cfg(tmp_path, "logger=[csv,tensorboard]")
+def test_several_loggers(default_cfg):
+    cfg = default_cfg("logger=[csv,tensorboard]")
     assert set(cfg.logger) == {"csv", "tensorboard"}
     loggers = [instantiate(c) for c in cfg.logger.values()]
     assert {type(x) for x in loggers} == {CSVLogger, TensorBoardLogger}
@@ -298,24 +292,24 @@ def test_several_loggers(tmp_path):
 # ---- experiment -------------------------------------------------------------------------------
 
 
-def test_experiment_arithmetic_grpo(tmp_path):
-    cfg = make_cfg(tmp_path, "experiment=arithmetic_grpo")
+def test_experiment_arithmetic_grpo(default_cfg):
+    cfg = default_cfg("experiment=arithmetic_grpo")
     assert cfg.estimator.name == "grpo"
     assert cfg.seed == 1
     assert cfg.rl.samples_per_prompt == 8
     check_config(cfg)
 
 
-def test_command_line_overrides_experiment(tmp_path):
-    cfg = make_cfg(tmp_path, "experiment=arithmetic_grpo", "seed=5")
+def test_command_line_overrides_experiment(default_cfg):
+    cfg = default_cfg("experiment=arithmetic_grpo", "seed=5")
     assert cfg.seed == 5 and cfg.estimator.name == "grpo"
 
 
 # ---- optimizer --------------------------------------------------------------------------------
 
 
-def test_optimizer_is_partial_adamw(tmp_path):
-    cfg = make_cfg(tmp_path)
+def test_optimizer_is_partial_adamw(default_cfg):
+    cfg = default_cfg()
     assert cfg.optimizer._partial_ is True
     factory = instantiate(cfg.optimizer)
     assert isinstance(factory, functools.partial)
@@ -331,8 +325,8 @@ def test_optimizer_is_partial_adamw(tmp_path):
     assert (weight < 1).all()
 
 
-def test_optimizer_lr_override(tmp_path):
-    opt = instantiate(make_cfg(tmp_path, "optimizer.lr=1e-6").optimizer)([torch.nn.Parameter(torch.ones(1))])
+def test_optimizer_lr_override(default_cfg):
+    opt = instantiate(default_cfg("optimizer.lr=1e-6").optimizer)([torch.nn.Parameter(torch.ones(1))])
     assert opt.param_groups[0]["lr"] == pytest.approx(1e-6)
 
 

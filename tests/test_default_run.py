@@ -4,17 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import compose_cfg
 from loorl.train import train
 
 
-def test_default_run_gains_25_points_of_held_out_accuracy(tmp_path):
-    cfg = compose_cfg(
-        [
-            f"model.cache_dir={tmp_path}/cache",
-            f"output_dir={tmp_path}/run",
-            "trainer.enable_progress_bar=false",
-        ]
+def test_default_run_gains_25_points_of_held_out_accuracy(make_config, tmp_path):
+    cfg = make_config(
+        f"model.cache_dir={tmp_path}/cache", "trainer.enable_progress_bar=false", output_dir=tmp_path / "run"
     )
     summary = train(cfg)
     assert summary["rl_steps"] == 150
@@ -25,16 +20,14 @@ def test_default_run_gains_25_points_of_held_out_accuracy(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_default_run_with_vllm_gains_as_much(tmp_path):
+def test_default_run_with_vllm_gains_as_much(make_config, tmp_path):
     """`python src/train.py rollout=vllm` (about 70 s): run with `python -m pytest -m slow`."""
     pytest.importorskip("vllm")
-    cfg = compose_cfg(
-        [
-            "rollout=vllm",
-            f"model.cache_dir={tmp_path}/cache",
-            f"output_dir={tmp_path}/run",
-            "trainer.enable_progress_bar=false",
-        ]
+    cfg = make_config(
+        "rollout=vllm",
+        f"model.cache_dir={tmp_path}/cache",
+        "trainer.enable_progress_bar=false",
+        output_dir=tmp_path / "run",
     )
     summary = train(cfg)
     assert summary["val_accuracy_gain"] >= 0.25, summary

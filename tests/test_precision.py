@@ -9,19 +9,17 @@ import torch
 from hydra.utils import instantiate
 from safetensors.torch import load_file
 
-from conftest import compose_cfg
 from loorl.errors import ConfigError
 from loorl.models import ensure_tiny_model
 from loorl.train import train, trainer_precision
-from tests_support import quick_cfg_at
 
 
-def _policy_after_two_steps(model_cache, tmp_path, *overrides):
+def _policy_after_two_steps(quick_config, tmp_path, *overrides):
     """`python src/train.py model.dtype=bfloat16 optimizer.lr=1e-6 rl.steps=2 checkpoint_every=1`,
     quick-sized: the checkpoint's policy weights and the initial ones, by name."""
-    cfg = quick_cfg_at(
-        model_cache, "model.dtype=bfloat16", "optimizer.lr=1e-6", "rl.steps=2", "checkpoint_every=1",
-        *overrides, output_dir=str(tmp_path),
+    cfg = quick_config(
+        "model.dtype=bfloat16", "optimizer.lr=1e-6", "rl.steps=2", "checkpoint_every=1", *overrides,
+        output_dir=tmp_path,
     )  # fmt: skip
     initial = load_file(ensure_tiny_model(cfg.model, cfg.task, instantiate(cfg.task)) / "model.safetensors")
     train(cfg)
@@ -36,15 +34,15 @@ def _changed_fraction(trained, initial) -> float:
     return changed / sum(v.numel() for v in initial.values())
 
 
-def test_bf16_compute_keeps_float32_weights_that_all_move(model_cache, tmp_path):
-    trained, initial = _policy_after_two_steps(model_cache, tmp_path)
+def test_bf16_compute_keeps_float32_weights_that_all_move(quick_config, tmp_path):
+    trained, initial = _policy_after_two_steps(quick_config, tmp_path)
     assert {v.dtype for v in trained.values()} == {torch.float32}
     assert _changed_fraction(trained, initial) > 0.5  # measured: 99.99%
 
 
-def test_pure_bf16_weights_are_an_explicit_choice_that_loses_updates(model_cache, tmp_path, caplog):
+def test_pure_bf16_weights_are_an_explicit_choice_that_loses_updates(quick_config, tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="loorl.module"):
-        trained, initial = _policy_after_two_steps(model_cache, tmp_path, "model.master_dtype=bfloat16")
+        trained, initial = _policy_after_two_steps(quick_config, tmp_path, "model.master_dtype=bfloat16")
     assert {v.dtype for v in trained.values()} == {torch.bfloat16}
     assert any("model.master_dtype=bfloat16" in r.getMessage() for r in caplog.records)
     assert _changed_fraction(trained, initial) < 0.5  # what float32 master weights prevent
@@ -59,22 +57,20 @@ def test_pure_bf16_weights_are_an_explicit_choice_that_loses_updates(model_cache
         ("bfloat16", "bfloat16", "32-true"),  # weights already in the compute dtype: no cast
     ],
 )
-def test_trainer_precision_follows_compute_and_master_dtypes(model_cache, dtype, master, precision):
-    cfg = quick_cfg_at(model_cache, f"model.dtype={dtype}", f"model.master_dtype={master}")
+def test_trainer_precision_follows_compute_and_master_dtypes(quick_config, dtype, master, precision):
+    cfg = quick_config(f"model.dtype={dtype}", f"model.master_dtype={master}")
     assert trainer_precision(cfg) == precision
-    assert trainer_precision(quick_cfg_at(model_cache, "trainer.precision=bf16-true")) == "bf16-true"
+    assert trainer_precision(quick_config("trainer.precision=bf16-true")) == "bf16-true"
 
 
 @pytest.mark.parametrize("model", ["qwen05b", "qwen15b", "qwen7b", "llama8b"])
-def test_gpu_model_configs_train_bf16_over_float32_weights(model):
-    cfg = compose_cfg([f"model={model}"])
+def test_gpu_model_configs_train_bf16_over_float32_weights(make_config, model):
+    cfg = make_config(f"model={model}")
     assert (cfg.model.dtype, cfg.model.master_dtype) == ("bfloat16", "float32")
     assert trainer_precision(cfg) == "bf16-mixed"
 
 
-def test_master_dtype_must_be_float32_or_the_compute_dtype(model_cache, tmp_path):
-    cfg = quick_cfg_at(
-        model_cache, "model.dtype=bfloat16", "model.master_dtype=float16", output_dir=str(tmp_path)
-    )
+def test_master_dtype_must_be_float32_or_the_compute_dtype(quick_config, tmp_path):
+    cfg = quick_config("model.dtype=bfloat16", "model.master_dtype=float16", output_dir=tmp_path)
     with pytest.raises(ConfigError, match=r"model.master_dtype=float16 .* model.master_dtype=float32"):
         train(cfg)

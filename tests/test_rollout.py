@@ -11,6 +11,7 @@ from hydra.utils import instantiate
 from loorl import estimators
 from loorl.logprobs import completion_logits, completion_logprobs
 from loorl.models import ensure_tiny_model, load_causal_lm, load_tokenizer
+from loorl.module import minibatch_groups
 from loorl.rollout.batch import assemble
 from loorl.rollout.engine import Completion, SamplingConfig
 from loorl.rollout.hf_engine import HFEngine
@@ -19,10 +20,9 @@ from loorl.train import build_datamodule, build_module
 
 
 @pytest.fixture(scope="module")
-def tiny(model_cache):
-    from tests_support import quick_cfg_at
+def tiny(quick_config):
 
-    cfg = quick_cfg_at(model_cache)
+    cfg = quick_config()
     task = instantiate(cfg.task)
     path = str(ensure_tiny_model(cfg.model, cfg.task, task))
     return cfg, task, path, load_tokenizer(path), load_causal_lm(path, dtype="float32")
@@ -117,7 +117,8 @@ def test_reward_failures_are_unscorable_and_counted():
     for p in prompts:
         p.meta["answer_col"] = p.answer
     composer = RewardComposer([WeightedReward("exact", exact)])
-    rewards, failures, parts = composer(prompts, [["1", "boom", "none"], ["nan", "2", "inf"]])
+    graded = composer(prompts, [["1", "boom", "none"], ["nan", "2", "inf"]])
+    rewards, failures, parts = graded.rewards, graded.unscorable, graded.parts
     assert failures == 4
     assert rewards[0, 0] == 1.0 and rewards[1, 1] == 1.0
     assert torch.isnan(rewards[[0, 0, 1, 1], [1, 2, 0, 2]]).all()
@@ -134,34 +135,27 @@ def test_weighted_rewards_combine_and_clip():
         "right", lambda prompts, completions, **_: [float(c == "4") for c in completions], 1.0
     )
     short = WeightedReward("short", lambda prompts, completions, **_: [-len(c) for c in completions], 0.5)
-    rewards, failures, _ = RewardComposer([right, short])(prompts, [["4", "44", "x"]])
+    graded = RewardComposer([right, short])(prompts, [["4", "44", "x"]])
+    rewards, failures = graded.rewards, graded.unscorable
     assert failures == 0 and rewards.tolist() == [[0.5, -1.0, -0.5]]
-    clipped, _, _ = RewardComposer([right, short], clip=(-0.6, 0.4))(prompts, [["4", "44", "x"]])
+    clipped = RewardComposer([right, short], clip=(-0.6, 0.4))(prompts, [["4", "44", "x"]]).rewards
     assert clipped[0].tolist() == pytest.approx([0.4, -0.6, -0.5])
 
 
-def test_minibatches_keep_groups_together(tiny):
+def test_minibatches_keep_groups_together(quick_config, tiny):
     cfg, task, path, tok, _ = tiny
-    from tests_support import quick_cfg_at
-
-    cfg = quick_cfg_at(cfg.model.cache_dir, "rl.prompts_per_minibatch=2", "rl.epochs_per_rollout=2")
+    cfg = quick_config("rl.prompts_per_minibatch=2", "rl.epochs_per_rollout=2")
     dm = build_datamodule(cfg, task, tok, path)
     module = build_module(cfg, path)
     module.configure_model()
-    batch = dm.rollout(module, step=0)
+    dm.engine.sync(module.policy)
+    batch, _ = module.prepare(dm.collect(step=0).batch)
     assert batch.old_logprobs is not None  # several optimizer steps per rollout: old logprobs recomputed
 
-    from lightning.pytorch.plugins.precision import Precision
-
-    class _Trainer:
-        current_epoch = 0
-        lightning_module = module
-        precision_plugin = Precision()  # 32-true: no autocast
-
-    dm.trainer = _Trainer()
     seen = []
     k = cfg.rl.samples_per_prompt
-    for mb in dm.train_dataloader():
+    for groups in minibatch_groups(module.rl, seed=cfg.seed, step=0):
+        mb = batch.select_groups(groups)
         assert mb.group_size == k and mb.input_ids.shape[0] == 2 * k
         for g in range(mb.num_groups):
             rows = mb.input_ids[g * k : (g + 1) * k, : mb.prompt_len]
@@ -175,16 +169,15 @@ def _grads(module):
     return torch.cat([p.grad.flatten() for p in module.policy.parameters() if p.grad is not None])
 
 
-def test_module_gradient_equals_hand_built_estimate_and_ignores_microbatch_size(tiny, model_cache):
+def test_module_gradient_equals_hand_built_estimate_and_ignores_microbatch_size(quick_config, tiny):
     """grad(loss) == -1/N sum_i A_i grad log pi(y_i|x) on the tiny Qwen2 model, for any micro-batch size."""
-    from tests_support import quick_cfg_at
 
     cfg, _, path, _, _ = tiny
     batch, _ = _rollout(tiny, n=4, num_prompts=4)
     batch.advantages = torch.randn(batch.input_ids.shape[0])  # [N]
     grads = {}
     for micro in (1, 4):
-        module = build_module(quick_cfg_at(model_cache, f"rl.prompts_per_microbatch={micro}"), path)
+        module = build_module(quick_config(f"rl.prompts_per_microbatch={micro}"), path)
         module.configure_model()
         module.accumulate_gradients(batch, lambda loss: loss.backward())
         grads[micro] = _grads(module)
@@ -233,14 +226,13 @@ def test_reward_and_accuracy_of_arithmetic_task():
     assert math.isclose(len(held_out._train_pairs), 100 - 10)
 
 
-def test_reference_model_is_loaded_only_when_kl_is_on(tiny, model_cache):
-    from tests_support import quick_cfg_at
+def test_reference_model_is_loaded_only_when_kl_is_on(quick_config, tiny):
 
     _, _, path, _, _ = tiny
-    off = build_module(quick_cfg_at(model_cache), path)
+    off = build_module(quick_config(), path)
     off.configure_model()
     assert off.reference is None
-    on = build_module(quick_cfg_at(model_cache, "kl.coef=0.01"), path)
+    on = build_module(quick_config("kl.coef=0.01"), path)
     on.configure_model()
     assert on.reference is not None and not any(p.requires_grad for p in on.reference.parameters())
 
@@ -248,25 +240,24 @@ def test_reference_model_is_loaded_only_when_kl_is_on(tiny, model_cache):
 @pytest.mark.parametrize(
     ("log_ratio", "cap", "weight"), [(math.log(3.0), 2.0, 2.0), (math.log(0.5), 2.0, 0.5)]
 )
-def test_truncated_importance_weights_scale_the_gradient(tiny, model_cache, log_ratio, cap, weight):
+def test_truncated_importance_weights_scale_the_gradient(quick_config, tiny, log_ratio, cap, weight):
     """min(pi_train / pi_sampler, cap) multiplies each token's loss: here a constant ratio per token."""
-    from tests_support import quick_cfg_at
 
     _, _, path, _, _ = tiny
     batch, _ = _rollout(tiny, n=4, num_prompts=4)
     batch.advantages = torch.randn(batch.input_ids.shape[0])  # [N]
-    plain = build_module(quick_cfg_at(model_cache), path)
+    plain = build_module(quick_config(), path)
     plain.configure_model()
     with torch.no_grad():
         exact = completion_logprobs(plain.policy, batch, sampling=SamplingConfig(max_new_tokens=5))  # [N, C]
     batch.sampler_logprobs = exact - log_ratio  # the sampler saw pi_train / ratio
     plain.accumulate_gradients(batch, lambda loss: loss.backward())
-    corrected = build_module(quick_cfg_at(model_cache, f"loss.tis_cap={cap}"), path)
+    corrected = build_module(quick_config(f"loss.tis_cap={cap}"), path)
     corrected.configure_model()
-    _, sums, tokens = corrected.accumulate_gradients(batch, lambda loss: loss.backward())
+    stats = corrected.accumulate_gradients(batch, lambda loss: loss.backward())
     assert torch.allclose(_grads(corrected), weight * _grads(plain), atol=1e-6, rtol=1e-4)
-    assert sums["tis_weight_sum"] / tokens == pytest.approx(weight, rel=1e-4)
-    assert sums["mismatch_sum"] / tokens == pytest.approx(log_ratio, abs=1e-4)
+    assert stats.tis_weight / stats.tokens == pytest.approx(weight, rel=1e-4)
+    assert stats.log_ratio / stats.tokens == pytest.approx(log_ratio, abs=1e-4)
 
 
 class _OffsetSampler(HFEngine):
@@ -284,23 +275,19 @@ class _OffsetSampler(HFEngine):
 
 
 @pytest.mark.parametrize("exact", [False, True])
-def test_kl_in_the_reward_uses_the_trainer_logprobs(tiny, model_cache, exact):
+def test_kl_in_the_reward_uses_the_trainer_logprobs(quick_config, tiny, exact):
     """At step 0 the policy is the reference: the true KL is exactly 0, whatever the sampler says."""
-    from dataclasses import replace
-
-    from loorl.train import build_datamodule
-    from tests_support import quick_cfg_at
-
-    cfg = quick_cfg_at(model_cache, "kl.coef=0.1", "kl.adaptive=true", "kl.target=1.0", "kl.horizon=100")
+    cfg = quick_config("kl.coef=0.1", "kl.adaptive=true", "kl.target=1.0", "kl.horizon=100")
     _, task, path, tok, _ = tiny
     module = build_module(cfg, path)
     module.configure_model()
+    module.sampler_logprobs_exact = exact
     dm = build_datamodule(cfg, task, tok, path)
-    dm.settings = replace(dm.settings, sampler_logprobs_exact=exact)
     dm.engine = _OffsetSampler(dm.engine.sampling, eos_token_ids=dm.engine.eos_token_ids, pad_token_id=0)
     dm.setup("fit")
-    batch = dm.rollout(module, step=0)
-    kl = dm.last_stats["rollout/kl"]
+    dm.engine.sync(module.policy)
+    batch, metrics = module.prepare(dm.collect(step=0).batch)
+    kl = metrics["rollout/kl"]
     lengths = batch.completion_mask.sum(-1)  # [N]
     if exact:  # told the sampler is exact, the KL is the sampler's offset times the length
         assert kl == pytest.approx(_OffsetSampler.OFFSET * float(lengths.mean()), rel=1e-4)

@@ -16,7 +16,6 @@ from loorl.models import ensure_tiny_model, load_causal_lm, load_tokenizer
 from loorl.rollout.engine import SamplingConfig, eos_token_ids
 from loorl.rollout.hf_engine import HFEngine
 from loorl.train import train
-from tests_support import quick_cfg_at
 
 # What an instruct model's generation_config.json may hold, made worse: every field changes sampling.
 HOSTILE_GENERATION_CONFIG = {
@@ -30,8 +29,8 @@ HOSTILE_GENERATION_CONFIG = {
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(model_cache):
-    cfg = quick_cfg_at(model_cache)
+def tiny_dir(quick_config):
+    cfg = quick_config()
     return ensure_tiny_model(cfg.model, cfg.task, instantiate(cfg.task))
 
 
@@ -53,23 +52,23 @@ def hostile_dir(tiny_dir, tmp_path_factory):
     )
 
 
-def _history(tmp_path, cache, *overrides):
-    cfg = quick_cfg_at(cache, "rl.steps=3", "val_every=3", *overrides, output_dir=str(tmp_path))
+def _history(quick_config, tmp_path, *overrides):
+    cfg = quick_config("rl.steps=3", "val_every=3", *overrides, output_dir=tmp_path)
     train(cfg)
     return json.loads((tmp_path / "metrics.json").read_text())["history"]
 
 
 # ---- no generation defaults from the model's files ---------------------------------------------
-def test_model_generation_config_does_not_change_the_hf_sampler(hostile_dir, model_cache, tmp_path):
-    history = _history(tmp_path, model_cache, f"model.name_or_path={hostile_dir}", "rollout=hf")
+def test_model_generation_config_does_not_change_the_hf_sampler(quick_config, hostile_dir, tmp_path):
+    history = _history(quick_config, tmp_path, f"model.name_or_path={hostile_dir}", "rollout=hf")
     worst = max(v for _, v in history["train/sampler_logratio_max"])
     assert worst < 1e-4, worst  # with the model's repetition penalty leaking in it was ~0.1
 
 
 @pytest.mark.vllm
-def test_model_generation_config_does_not_change_the_vllm_sampler(hostile_dir, model_cache, tmp_path):
+def test_model_generation_config_does_not_change_the_vllm_sampler(quick_config, hostile_dir, tmp_path):
     pytest.importorskip("vllm")
-    history = _history(tmp_path, model_cache, f"model.name_or_path={hostile_dir}", "rollout=vllm")
+    history = _history(quick_config, tmp_path, f"model.name_or_path={hostile_dir}", "rollout=vllm")
     worst = max(v for _, v in history["train/sampler_logratio_max"])
     assert worst < 1e-3, worst
 
@@ -145,8 +144,8 @@ def test_truncated_logprobs_value_gradient_and_kept_sampled_token():
 
 
 @pytest.mark.parametrize("override", ["rollout.top_k=5", "rollout.top_p=0.5"])
-def test_truncated_sampling_trains_on_the_sampler_distribution(model_cache, tmp_path, override):
-    history = _history(tmp_path, model_cache, "rollout=hf", override)
+def test_truncated_sampling_trains_on_the_sampler_distribution(quick_config, tmp_path, override):
+    history = _history(quick_config, tmp_path, "rollout=hf", override)
     worst = max(abs(v) for _, v in history["train/sampler_logratio_mean"])
     assert worst < 1e-4, worst  # was -1.86 (top_k=5) and -0.67 (top_p=0.5) scoring the full softmax
 
@@ -178,10 +177,12 @@ def _check_every_eos_ends(groups, ids, *, second_must_occur=True):
 
 
 def _engine_for(cfg, path):
+    from loorl.config import load_settings
     from loorl.rollout.factory import build_engine
 
     tok = load_tokenizer(str(path))
-    return build_engine(cfg.rollout, tok, model_path=str(path), model_dtype="float32", seed=0), tok
+    rollout = load_settings(cfg).rollout
+    return build_engine(rollout, tok, model_path=str(path), model_dtype="float32", seed=0), tok
 
 
 def _prompts(tok):
@@ -193,9 +194,9 @@ def test_eos_ids_come_from_tokenizer_config_and_generation_config(two_eos_dir):
     assert eos_token_ids(str(path), load_tokenizer(str(path))) == ids
 
 
-def test_hf_engine_stops_at_every_eos_id(two_eos_dir, model_cache):
+def test_hf_engine_stops_at_every_eos_id(quick_config, two_eos_dir):
     path, ids = two_eos_dir
-    engine, tok = _engine_for(quick_cfg_at(model_cache, "rollout=hf"), path)
+    engine, tok = _engine_for(quick_config("rollout=hf"), path)
     assert engine.eos_token_ids == ids
     engine.sync(load_causal_lm(str(path), dtype="float32"))
     torch.manual_seed(0)
@@ -204,9 +205,9 @@ def test_hf_engine_stops_at_every_eos_id(two_eos_dir, model_cache):
 
 
 @pytest.mark.vllm
-def test_vllm_engine_stops_at_every_eos_id(two_eos_dir, model_cache):
+def test_vllm_engine_stops_at_every_eos_id(quick_config, two_eos_dir):
     pytest.importorskip("vllm")
     path, ids = two_eos_dir
-    engine, tok = _engine_for(quick_cfg_at(model_cache, "rollout=vllm"), path)
+    engine, tok = _engine_for(quick_config("rollout=vllm"), path)
     engine.sync(load_causal_lm(str(path), dtype="float32"), version=0)
     _check_every_eos_ends(engine.generate(_prompts(tok), n=4), ids)

@@ -12,7 +12,6 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from conftest import QUICK, compose_cfg
 from fixtures import write_gsm8k, write_math
 from loorl.config import CONF_DIR
 from loorl.errors import ConfigError
@@ -21,8 +20,7 @@ from loorl.train import train
 
 REPO = CONF_DIR.parent
 # a quick RL run on the data-set tasks; completions stay short so the tests stay fast
-BASE = [o for o in QUICK if not o.startswith("task.")]
-DATA_QUICK = [*BASE, "rollout.max_new_tokens=24", "val_pass_k=2", "model.tiny.warm_start.steps=60"]
+DATA_QUICK = ["debug=quick", "rollout.max_new_tokens=24", "val_pass_k=2", "model.tiny.warm_start.steps=60"]
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +33,14 @@ def math_dir(tmp_path_factory):
     return write_math(tmp_path_factory.mktemp("math"))
 
 
-def _cfg(model_cache, out, *extra):
-    return compose_cfg([*DATA_QUICK, f"model.cache_dir={model_cache}", f"output_dir={out}", *extra])
+@pytest.fixture(scope="module")
+def data_config(make_config):
+    """`data_config(cache, out, *overrides)`: a quick data-set-task run with its own cache and output."""
+
+    def make(cache, out, *overrides):
+        return make_config(*DATA_QUICK, f"model.cache_dir={cache}", *overrides, output_dir=out)
+
+    return make
 
 
 def _history(out):
@@ -44,14 +48,14 @@ def _history(out):
 
 
 @pytest.fixture(scope="module")
-def gsm8k_model(gsm8k_dir, model_cache):
+def gsm8k_model(data_config, gsm8k_dir, model_cache):
     """A tiny model warm-started on the GSM8K fixture, saved as an ordinary local HF directory."""
-    cfg = _cfg(model_cache, "/tmp/unused", "task=gsm8k", f"data.path={gsm8k_dir}")
+    cfg = data_config(model_cache, "/tmp/unused", "task=gsm8k", f"data.path={gsm8k_dir}")
     return ensure_tiny_model(cfg.model, cfg.task, instantiate(cfg.task))
 
 
-def test_gsm8k_task_prompts_rewards_and_epochs(gsm8k_dir, tmp_path):
-    cfg = _cfg(tmp_path, tmp_path, "task=gsm8k", f"data.path={gsm8k_dir}", "task.format_score=0.1")
+def test_gsm8k_task_prompts_rewards_and_epochs(data_config, gsm8k_dir, tmp_path):
+    cfg = data_config(tmp_path, tmp_path, "task=gsm8k", f"data.path={gsm8k_dir}", "task.format_score=0.1")
     task = instantiate(cfg.task)
     task.prepare(build_char_tokenizer(), max_prompt_length=cfg.rollout.max_prompt_length)
     p = task.eval_prompts()[0]
@@ -67,8 +71,8 @@ def test_gsm8k_task_prompts_rewards_and_epochs(gsm8k_dir, tmp_path):
     assert task.prompts_for_step(8, 8, seed=0) != task.prompts_for_step(0, 8, seed=0)
 
 
-def test_long_prompts_are_filtered_and_counted_or_refused(gsm8k_dir, tmp_path):
-    cfg = _cfg(tmp_path, tmp_path, "task=gsm8k", f"data.path={gsm8k_dir}")
+def test_long_prompts_are_filtered_and_counted_or_refused(data_config, gsm8k_dir, tmp_path):
+    cfg = data_config(tmp_path, tmp_path, "task=gsm8k", f"data.path={gsm8k_dir}")
     task = instantiate(cfg.task)
     lengths = sorted(len(q.text) for q in task.train)
     limit = lengths[len(lengths) // 2]  # the character tokenizer: one token per character
@@ -76,25 +80,29 @@ def test_long_prompts_are_filtered_and_counted_or_refused(gsm8k_dir, tmp_path):
     assert 0 < task.dropped["train"] < 64 and len(task.train) == 64 - task.dropped["train"]
     assert all(len(q.text) <= limit for q in task.train)
     strict = instantiate(
-        _cfg(tmp_path, tmp_path, "task=gsm8k", f"data.path={gsm8k_dir}", "task.on_long_prompt=error").task
+        data_config(
+            tmp_path, tmp_path, "task=gsm8k", f"data.path={gsm8k_dir}", "task.on_long_prompt=error"
+        ).task
     )
     with pytest.raises(ConfigError, match="rollout.max_prompt_length"):
         strict.prepare(build_char_tokenizer(), max_prompt_length=limit)
 
 
-def test_chat_template_renders_prompts(gsm8k_dir, tmp_path):
+def test_chat_template_renders_prompts(data_config, gsm8k_dir, tmp_path):
     tok = build_char_tokenizer()
     tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
     task = instantiate(
-        _cfg(tmp_path, tmp_path, "task=gsm8k", f"data.path={gsm8k_dir}", "task.system_prompt=Be brief.").task
+        data_config(
+            tmp_path, tmp_path, "task=gsm8k", f"data.path={gsm8k_dir}", "task.system_prompt=Be brief."
+        ).task
     )
     task.prepare(tok, max_prompt_length=1000)
     text = task.eval_prompts()[0].text
     assert text.startswith("<system>Be brief.\n<user>") and text.endswith("\n<assistant>")
 
 
-def test_math_task_boxed_answers(math_dir, tmp_path):
-    task = instantiate(_cfg(tmp_path, tmp_path, "task=math", f"data.path={math_dir}").task)
+def test_math_task_boxed_answers(data_config, math_dir, tmp_path):
+    task = instantiate(data_config(tmp_path, tmp_path, "task=math", f"data.path={math_dir}").task)
     p = task.eval_prompts()[0]
     num, den = p.meta["question"].split()[2].split("/")  # "What is a/(a*b) as a fraction?"
     b = int(den) // int(num)
@@ -104,10 +112,10 @@ def test_math_task_boxed_answers(math_dir, tmp_path):
     assert task.reward(p, "\\boxed{7}") == 0.0 and task.reward(p, "1/2") == 0.0
 
 
-def test_missing_data_path_fails_before_any_model(tmp_path):
+def test_missing_data_path_fails_before_any_model(data_config, tmp_path):
     for extra in (["task=gsm8k"], ["task=math", f"data.path={tmp_path}/nope.jsonl"]):
         with pytest.raises(ConfigError) as err:
-            train(_cfg(tmp_path / "cache", tmp_path / "out", *extra))
+            train(data_config(tmp_path / "cache", tmp_path / "out", *extra))
         assert "data.path" in str(err.value) and "\n" not in str(err.value)
         assert not (tmp_path / "cache").exists()
 
@@ -126,8 +134,8 @@ def test_gsm8k_cli_end_to_end_with_the_real_verifier(gsm8k_dir, gsm8k_model, tmp
     assert [s for s, _ in history["val/pass_at_k"]] == [0, 2, 4]
 
 
-def test_two_weighted_reward_functions_end_to_end(gsm8k_dir, gsm8k_model, tmp_path):
-    summary = train(_cfg(tmp_path / "c", tmp_path, "task=gsm8k", f"model.name_or_path={gsm8k_model}",
+def test_two_weighted_reward_functions_end_to_end(data_config, gsm8k_dir, gsm8k_model, tmp_path):
+    summary = train(data_config(tmp_path / "c", tmp_path, "task=gsm8k", f"model.name_or_path={gsm8k_model}",
                          f"data.path={gsm8k_dir}", "reward=custom", "rl.steps=2"))  # fmt: skip
     history = _history(tmp_path)
     assert {"rollout/reward_correct", "rollout/reward_brevity"} <= set(history)
@@ -171,29 +179,29 @@ def test_reward_model_scores_match_a_direct_forward_pass(tmp_path):
     assert len(set(scores)) == 3
 
 
-def test_reward_model_run_end_to_end(gsm8k_dir, gsm8k_model, tmp_path):
+def test_reward_model_run_end_to_end(data_config, gsm8k_dir, gsm8k_model, tmp_path):
     rm = _tiny_reward_model(tmp_path / "rm")
-    summary = train(_cfg(tmp_path / "c", tmp_path / "out", "task=gsm8k", f"model.name_or_path={gsm8k_model}",
-                         f"data.path={gsm8k_dir}", "reward=model", f"reward.functions.rm.fn.path={rm}",
-                         "rl.steps=2"))  # fmt: skip
+    summary = train(data_config(tmp_path / "c", tmp_path / "out", "task=gsm8k",
+                                f"model.name_or_path={gsm8k_model}", f"data.path={gsm8k_dir}", "reward=model",
+                                f"reward.functions.rm.fn.path={rm}", "rl.steps=2"))  # fmt: skip
     rewards = [v for _, v in _history(tmp_path / "out")["rollout/reward"]]
     assert len(rewards) == 2 and all(math.isfinite(v) for v in rewards)
     assert not all(v in (0.0, 1.0) for v in rewards)  # real-valued scores, not the verifier's
     assert summary["optimizer_steps"] == 2
 
 
-def test_reward_model_path_is_checked_before_loading(tmp_path):
+def test_reward_model_path_is_checked_before_loading(data_config, tmp_path):
     for extra, words in (
         (["reward=model"], "is not set"),
         (["reward=model", "reward.functions.rm.fn.path=/no/rm"], "/no/rm"),
     ):
         with pytest.raises(ConfigError, match=words):
-            train(_cfg(tmp_path / "cache", tmp_path / "out", *extra))
+            train(data_config(tmp_path / "cache", tmp_path / "out", *extra))
     assert not (tmp_path / "cache").exists()
 
 
 @pytest.mark.parametrize("hub", ["qwen05b", "llama8b"])
-def test_hub_model_config_runs_with_a_local_model_of_its_architecture(hub, tmp_path, model_cache):
+def test_hub_model_config_runs_with_a_local_model_of_its_architecture(make_config, hub, tmp_path):
     """The hub configs' code path (bf16 policy and reference, gradient checkpointing, reference offload)
     on a locally built model of the same architecture; only the weights differ."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -207,10 +215,8 @@ def test_hub_model_config_runs_with_a_local_model_of_its_architecture(hub, tmp_p
     )
     model.save_pretrained(tmp_path / "m")
     tok.save_pretrained(tmp_path / "m")
-    hub_base = [o for o in BASE if not o.startswith("model.tiny")]
-    cfg = compose_cfg([*hub_base, f"model={hub}", f"model.name_or_path={tmp_path / 'm'}", "rl.steps=2",
-                       "rl.samples_per_prompt=4", "rl.prompts_per_step=8", "rl.prompts_per_minibatch=8",
-                       "rl.prompts_per_microbatch=4", f"output_dir={tmp_path / 'out'}"])  # fmt: skip
+    cfg = make_config("debug=quick", f"model={hub}", f"model.name_or_path={tmp_path / 'm'}", "rl.steps=2",
+                      "rl.prompts_per_microbatch=4", output_dir=tmp_path / "out")  # fmt: skip
     assert cfg.model.dtype == "bfloat16" and cfg.model.gradient_checkpointing and cfg.kl.coef > 0
     summary = train(cfg)
     history = _history(tmp_path / "out")

@@ -6,6 +6,7 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
+from loorl.config import load_settings
 from loorl.errors import ConfigError
 from loorl.logprobs import completion_logprobs
 from loorl.models import ensure_tiny_model, load_tokenizer
@@ -13,15 +14,14 @@ from loorl.rollout.batch import assemble
 from loorl.rollout.factory import build_engine, resolve_engine
 from loorl.rollout.hf_engine import HFEngine
 from loorl.train import build_datamodule, build_module, train
-from tests_support import quick_cfg_at
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 
 @pytest.fixture(scope="module")
-def setup(model_cache):
-    cfg = quick_cfg_at(model_cache, "rollout=vllm")
+def setup(quick_config):
+    cfg = quick_config("rollout=vllm")
     task = instantiate(cfg.task)
     path = str(ensure_tiny_model(cfg.model, cfg.task, task))
     tok = load_tokenizer(path)
@@ -40,7 +40,8 @@ def test_vllm_follows_the_policy_after_an_optimizer_step(setup):
     engine = dm.engine
     assert engine.name == "vllm"
     # one real RLOO step: vLLM rollout, loss, AdamW update of the live policy
-    batch = dm.rollout(module, step=0)
+    engine.sync(module.policy, version=0)
+    batch, _ = module.prepare(dm.collect(step=0).batch)
     assert (batch.completion_mask.sum(-1) > 0).all()
     opt = torch.optim.AdamW(module.policy.parameters(), lr=1e-2)
     module.accumulate_gradients(batch, lambda loss: loss.backward())
@@ -73,10 +74,8 @@ def test_vllm_follows_the_policy_after_an_optimizer_step(setup):
     assert max_mismatch(stale) > 1e-3  # before the sync vLLM sampled from the old weights
 
 
-def test_vllm_training_run_and_mismatch_metrics(model_cache, tmp_path):
-    cfg = quick_cfg_at(
-        model_cache, "rollout=vllm", "rl.steps=3", "loss.tis_cap=2.0", output_dir=str(tmp_path)
-    )
+def test_vllm_training_run_and_mismatch_metrics(quick_config, tmp_path):
+    cfg = quick_config("rollout=vllm", "rl.steps=3", "loss.tis_cap=2.0", output_dir=tmp_path)
     summary = train(cfg)
     assert summary["optimizer_steps"] == 3
     import json
@@ -86,12 +85,12 @@ def test_vllm_training_run_and_mismatch_metrics(model_cache, tmp_path):
     assert all(abs(v - 1) < 1e-3 for _, v in history["train/tis_weight_mean"])
 
 
-def test_auto_picks_hf_on_cpu_and_says_why(setup):
+def test_auto_picks_hf_on_cpu_and_says_why(quick_config, setup):
     name, reason = resolve_engine("auto")
     assert name == "hf" and "CUDA" in reason
     cfg, _, tok, module, _ = setup
     engine = build_engine(
-        quick_cfg_at(cfg.model.cache_dir).rollout,
+        load_settings(quick_config()).rollout,
         tok,
         model_path=module.model_path,
         model_dtype="float32",
@@ -100,20 +99,21 @@ def test_auto_picks_hf_on_cpu_and_says_why(setup):
     assert engine.name == "hf"
 
 
-def test_head_size_vllm_cpu_cannot_run_fails_before_any_model(tmp_path):
-    cfg = quick_cfg_at(
-        tmp_path / "cache", "rollout=vllm", "model.tiny.num_heads=8", output_dir=str(tmp_path / "o")
-    )
+def test_head_size_vllm_cpu_cannot_run_fails_before_any_model(quick_config, tmp_path):
+    cfg = quick_config(
+        f"model.cache_dir={tmp_path / 'cache'}", "rollout=vllm", "model.tiny.num_heads=8",
+        output_dir=tmp_path / "o",
+    )  # fmt: skip
     with pytest.raises(ConfigError, match=r"head size 16 .*rollout=hf") as err:
         train(cfg)
     assert "\n" not in str(err.value) and not (tmp_path / "cache").exists()
 
 
-def test_vllm_not_installed_is_one_clear_line(tmp_path, monkeypatch):
+def test_vllm_not_installed_is_one_clear_line(quick_config, tmp_path, monkeypatch):
     import loorl.config
 
     monkeypatch.setattr(loorl.config, "vllm_installed", lambda: False)
-    cfg = quick_cfg_at(tmp_path / "cache", "rollout=vllm", output_dir=str(tmp_path / "o"))
+    cfg = quick_config(f"model.cache_dir={tmp_path / 'cache'}", "rollout=vllm", output_dir=tmp_path / "o")
     with pytest.raises(ConfigError, match=r"rollout.engine=vllm needs the vllm package: pip install"):
         train(cfg)
     assert not (tmp_path / "cache").exists()

@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 from loorl import estimators
 from loorl.errors import ConfigError
-from loorl.losses import AGGREGATIONS, KL_ESTIMATORS, check_kl_placement
-from loorl.models import DTYPES, check_model_reachable
-from loorl.rollout.datamodule import TRUNCATED_MODES
-from loorl.rollout.factory import ENGINES, VLLM_INSTALL_HINT, cuda_available, resolve_engine, vllm_installed
+from loorl.models import check_model_reachable
+from loorl.rollout.factory import VLLM_INSTALL_HINT, cuda_available, resolve_engine, vllm_installed
+from loorl.settings import (
+    EstimatorSettings,
+    KLSettings,
+    LossSettings,
+    ModelSettings,
+    RLSettings,
+    RolloutSettings,
+    RunSettings,
+)
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-RATIO_LEVELS = ("token", "sequence")
 
 
 def check_group_choices(overrides: list[str], conf_dir: Path = CONF_DIR) -> None:
@@ -45,85 +54,55 @@ def check_group_choices(overrides: list[str], conf_dir: Path = CONF_DIR) -> None
                 )
 
 
-def _number(cfg: DictConfig, key: str) -> float:
-    value = OmegaConf.select(cfg, key)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(f"{key}={value!r} must be a number")
-    return value
+@dataclass(frozen=True)
+class Settings:
+    """Every checked section of a run's config."""
+
+    run: RunSettings
+    rl: RLSettings
+    estimator: EstimatorSettings
+    loss: LossSettings
+    kl: KLSettings
+    rollout: RolloutSettings
+    model: ModelSettings
 
 
-def _positive(cfg: DictConfig, *keys: str) -> None:
-    for key in keys:
-        if _number(cfg, key) <= 0:
-            raise ConfigError(f"{key}={OmegaConf.select(cfg, key)} must be a positive number")
+def load_settings(cfg: DictConfig) -> Settings:
+    """One dataclass per section, each checking its own types, choices and rules."""
+    top = {k: cfg[k] for k in RunSettings.__dataclass_fields__ if k in cfg}
+    # the sections others interpolate from first, so a bad value is named where it was set
+    run = RunSettings.from_cfg(top, "")
+    model = ModelSettings.from_cfg(cfg.model, "model")
+    rollout = RolloutSettings.from_cfg(cfg.rollout, "rollout")
+    return Settings(
+        run=run,
+        rl=RLSettings.from_cfg(cfg.rl, "rl"),
+        estimator=EstimatorSettings.from_cfg(cfg.estimator, "estimator"),
+        loss=LossSettings.from_cfg(cfg.loss, "loss"),
+        kl=KLSettings.from_cfg(cfg.kl, "kl"),
+        rollout=rollout,
+        model=model,
+    )
 
 
-def _one_of(key: str, value, choices) -> None:
-    if value not in choices:
-        raise ConfigError(f"{key}={value!r} is not one of: {', '.join(map(str, choices))}")
+def check_config(cfg: DictConfig) -> Settings:
+    """The run's settings; raise ConfigError naming the setting and the fix for the first bad one.
 
-
-def check_config(cfg: DictConfig) -> None:
-    """Raise ConfigError naming the setting and the fix for the first bad setting found."""
+    Each section checks itself (`loorl.settings`); here are only the rules that span sections and
+    the checks that look outside the config (files, the hub, installed packages)."""
     if "data" in cfg and OmegaConf.is_missing(cfg.data, "path"):
         raise ConfigError(
             f"data.path is not set: point it at the {cfg.task.name} data (data.path=/path/to/file_or_dir)"
         )
-    est = cfg.estimator.name
-    if est not in estimators.names():
-        raise ConfigError(
-            f"unknown estimator '{est}' (estimator.name); choose one of: {', '.join(estimators.names())}"
-        )
-    _positive(cfg, "rl.steps", "rl.prompts_per_step", "rl.samples_per_prompt", "rl.prompts_per_minibatch")
-    _positive(cfg, "rl.prompts_per_microbatch", "rl.epochs_per_rollout", "val_every")
-    if _number(cfg, "val_pass_k") < 0:
-        raise ConfigError(f"val_pass_k={cfg.val_pass_k} must be >= 0 (0 turns sampled pass@k off)")
-    k, k_min = cfg.rl.samples_per_prompt, estimators.min_group_size(est)
+    try:
+        s = load_settings(cfg)
+    except InterpolationResolutionError as err:  # e.g. a model file without a recipe key
+        raise ConfigError(f"{err.full_key}: {str(err).splitlines()[0]}") from None
+    k, k_min = s.rl.samples_per_prompt, estimators.min_group_size(s.estimator.name)
     if k < k_min:
         raise ConfigError(
-            f"rl.samples_per_prompt={k} is too small for estimator={est}: its baseline needs K >= {k_min} "
-            f"samples per prompt; set rl.samples_per_prompt={k_min} or more"
-        )
-    if cfg.rl.prompts_per_step % cfg.rl.prompts_per_minibatch:
-        raise ConfigError(
-            f"rl.prompts_per_step={cfg.rl.prompts_per_step} is not divisible by rl.prompts_per_minibatch="
-            f"{cfg.rl.prompts_per_minibatch}: mini-batches hold whole groups, pick a divisor"
-        )
-    r = cfg.rollout
-    _one_of("rollout.engine", r.engine, ENGINES)
-    _positive(cfg, "rollout.max_new_tokens", "rollout.temperature", "rollout.max_prompt_length")
-    for key in ("rollout.top_p", "rollout.top_k", "loss.clip_low", "loss.clip_high", "kl.coef"):
-        _number(cfg, key)
-    if not 0 < r.top_p <= 1:
-        raise ConfigError(f"rollout.top_p={r.top_p} must be in (0, 1]")
-    if r.top_k < 0:
-        raise ConfigError(f"rollout.top_k={r.top_k} must be >= 0 (0 turns it off)")
-    _one_of("rollout.truncated", r.truncated, TRUNCATED_MODES)
-    _one_of("loss.agg", cfg.loss.agg, AGGREGATIONS)
-    _one_of("loss.ratio_level", cfg.loss.ratio_level, RATIO_LEVELS)
-    if cfg.loss.ratio_level == "sequence" and cfg.loss.agg != "seq-mean-token-mean":
-        raise ConfigError(
-            f"loss.ratio_level=sequence (GSPO) with loss.agg={cfg.loss.agg}: GSPO's sequence ratio averages "
-            "each sequence's tokens; set loss.agg=seq-mean-token-mean, or use experiment=gspo"
-        )
-    if cfg.loss.clip_low < 0 or cfg.loss.clip_high < 0:
-        raise ConfigError("loss.clip_low and loss.clip_high must be >= 0")
-    _one_of("kl.estimator", cfg.kl.estimator, KL_ESTIMATORS)
-    if cfg.kl.coef > 0 or cfg.kl.adaptive:  # only an active KL term must have a KL gradient
-        check_kl_placement(cfg.kl.estimator, bool(cfg.kl.in_reward))
-    if cfg.kl.coef < 0:
-        raise ConfigError(
-            f"kl.coef={cfg.kl.coef} must be >= 0 (0 turns the KL term and the reference model off)"
-        )
-    if cfg.kl.adaptive and cfg.kl.coef <= 0:
-        raise ConfigError("kl.adaptive=true needs kl.coef > 0: the controller scales it, and 0 stays 0")
-    _one_of("model.dtype", cfg.model.dtype, tuple(DTYPES))
-    _one_of("model.ref_dtype", cfg.model.ref_dtype, tuple(DTYPES))
-    master = cfg.model.master_dtype
-    if master not in ("float32", cfg.model.dtype):
-        raise ConfigError(
-            f"model.master_dtype={master} with model.dtype={cfg.model.dtype}: the trainable weights are "
-            f"float32 (set model.master_dtype=float32) or, opting into pure low precision, model.dtype"
+            f"rl.samples_per_prompt={k} is too small for estimator={s.estimator.name}: its baseline needs "
+            f"K >= {k_min} samples per prompt; set rl.samples_per_prompt={k_min} or more"
         )
     strategy = cfg.trainer.strategy
     if strategy != "auto":
@@ -132,11 +111,25 @@ def check_config(cfg: DictConfig) -> None:
             f"trainer.strategy={name} composes but multi-process training is not implemented yet "
             "(roadmap: scale-out); use strategy=auto"
         )
-    if cfg.loss.tis_cap is not None and _number(cfg, "loss.tis_cap") <= 0:
-        raise ConfigError(f"loss.tis_cap={cfg.loss.tis_cap} must be > 0, or null to turn the correction off")
+    check_optimizer(cfg.optimizer)
     check_rewards(cfg)
     check_model_reachable(cfg.model)
-    check_vllm_can_run(cfg)
+    check_vllm_can_run(s)
+    return s
+
+
+def check_optimizer(optimizer_cfg: DictConfig) -> None:
+    """Build the optimizer over one dummy parameter: its own argument checks (lr < 0, betas out of
+    range) then fail here, in one line, instead of after the model has loaded."""
+    import torch
+
+    try:
+        instantiate(optimizer_cfg)([torch.nn.Parameter(torch.zeros(1))])
+    except Exception as err:  # noqa: BLE001 - any optimizer's own check
+        cause = err.__cause__ or err
+        raise ConfigError(
+            f"optimizer ({optimizer_cfg.get('_target_')}): {cause}; fix the optimizer.* setting"
+        ) from None
 
 
 def check_rewards(cfg: DictConfig) -> None:
@@ -150,8 +143,9 @@ def check_rewards(cfg: DictConfig) -> None:
         raise ConfigError("reward.functions is empty: name at least one reward function (see conf/reward/)")
     for name, spec in functions.items():
         key = f"reward.functions.{name}"
-        if "weight" in spec:
-            _number(cfg, f"{key}.weight")
+        weight = spec.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, int | float):
+            raise ConfigError(f"{key}.weight={weight!r} must be a number")
         fn = spec.get("fn")
         if fn == "task":
             continue
@@ -177,30 +171,42 @@ def check_rewards(cfg: DictConfig) -> None:
         raise ConfigError(f"reward.clip={list(clip)} must be [low, high] with low < high, or null")
 
 
-def model_head_dim(model_cfg: DictConfig) -> int:
-    if model_cfg.name_or_path is None:
-        return model_cfg.tiny.hidden_size // model_cfg.tiny.num_heads
+def model_head_dim(model: ModelSettings) -> int:
+    if model.name_or_path is None:
+        return model.tiny.head_dim
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_cfg.name_or_path)
+    config = AutoConfig.from_pretrained(model.name_or_path)
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def check_vllm_can_run(cfg: DictConfig) -> None:
+def check_vllm_can_run(s: Settings) -> None:
     """vLLM requested: it must be installed, and on CPU its attention kernels must take the head size."""
-    engine, _ = resolve_engine(cfg.rollout.engine)
+    engine, _ = resolve_engine(s.rollout.engine)
     if engine != "vllm":
         return
     if not vllm_installed():
-        raise ConfigError(f"rollout.engine={cfg.rollout.engine} needs the vllm package: {VLLM_INSTALL_HINT}")
+        raise ConfigError(f"rollout.engine={s.rollout.engine} needs the vllm package: {VLLM_INSTALL_HINT}")
     if cuda_available():
         return
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     sizes = CPUAttentionBackend.get_supported_head_sizes()
-    head_dim = model_head_dim(cfg.model)
+    head_dim = model_head_dim(s.model)
     if head_dim not in sizes:
         raise ConfigError(
             f"rollout.engine=vllm cannot run this model on CPU: head size {head_dim} is not one of vLLM's "
             f"CPU kernel sizes {sizes}; use rollout=hf, or a model whose hidden_size/num_heads is listed"
         )
+
+
+def compose_config(*overrides: str) -> DictConfig:
+    """`conf/train.yaml` composed with command-line style overrides, without running Hydra's app.
+
+    For notebooks, scripts and tests: `train(compose_config("debug=quick", "output_dir=/tmp/run"))`.
+    `output_dir` must be given (its default, Hydra's run dir, exists only under `@hydra.main`).
+    """
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose("train", overrides=list(overrides))

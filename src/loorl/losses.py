@@ -7,19 +7,20 @@ and never reach a loss, because they are dropped with `torch.where`, not multipl
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
+
 import torch
 
 from loorl.errors import ConfigError
 from loorl.masked import masked_mean
+from loorl.rollout.batch import RolloutBatch
+from loorl.settings import AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS, LossSettings
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_ESTIMATORS = ("k1", "k2", "k3")
 # Where each estimator gives a KL gradient (exact expectations: tests/test_kl_gradients.py).
 # Folded into the reward (a score-function term) only k1's gradient is that of KL(pi||ref);
 # as a loss term k1's expected gradient is 0, k2's is that of KL(pi||ref), k3's that of the
 # reverse KL(ref||pi) (what GRPO implementations use).
 KL_ESTIMATORS_BY_PLACEMENT = {"reward": ("k1",), "loss": ("k2", "k3")}
-RATIO_LEVELS = ("token", "sequence")
 
 _MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: beyond it a ratio is meaningless and exp() heads for inf
 
@@ -52,10 +53,10 @@ def clipped_surrogate_token_loss(
     likelihood ratio, which does not blow up with length). Returns the loss [N, T] and a bool
     [N, T] marking real tokens whose clipped branch was active (for the clip fraction).
     """
-    if ratio_level not in RATIO_LEVELS:
-        raise ConfigError(f"loss.ratio_level={ratio_level!r} is not one of: {', '.join(RATIO_LEVELS)}")
     valid = mask.bool()  # [N, T]
     log_ratio = torch.where(valid, logprobs - old_logprobs.detach(), 0.0)  # [N, T]
+    if ratio_level not in RATIO_LEVELS:  # a typo must not silently train with per-token ratios
+        raise ConfigError(f"loss.ratio_level={ratio_level!r} is not one of: {', '.join(RATIO_LEVELS)}")
     if ratio_level == "sequence":
         seq_log_ratio = masked_mean(log_ratio, valid, -1, keepdim=True)  # [N, 1]
         log_ratio = seq_log_ratio.expand_as(logprobs)  # [N, T]
@@ -88,8 +89,6 @@ def aggregate(
       seq-mean-token-mean:      sum_i mean_t(loss_i) / num_seqs  (GRPO's original length bias)
       seq-mean-token-sum-norm:  sum(loss) / (num_seqs * max_len), max_len a constant (Dr. GRPO)
     """
-    if mode not in AGGREGATIONS:
-        raise ConfigError(f"loss.agg={mode!r} is not one of: {', '.join(AGGREGATIONS)}")
     valid = mask.bool()  # [N, T]
     masked = torch.where(valid, token_loss, 0.0)  # [N, T]
     n_seqs = token_loss.shape[0] if num_seqs is None else num_seqs
@@ -102,8 +101,10 @@ def aggregate(
     if mode == "seq-mean-token-mean":
         lengths = valid.sum(dim=-1).clamp(min=1).to(masked.dtype)  # [N]
         return (masked.sum(dim=-1) / lengths).sum() / n_seqs
-    length = token_loss.shape[1] if max_len is None else max_len
-    return masked.sum() / (n_seqs * max(length, 1))
+    if mode == "seq-mean-token-sum-norm":
+        length = token_loss.shape[1] if max_len is None else max_len
+        return masked.sum() / (n_seqs * max(length, 1))
+    raise ConfigError(f"loss.agg={mode!r} is not one of: {', '.join(AGGREGATIONS)}")
 
 
 # ---- KL to the reference policy ----------------------------------------------------------------
@@ -134,8 +135,6 @@ def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, *, estimato
 
 def check_kl_placement(estimator: str, in_reward: bool) -> None:
     """Raise ConfigError unless `estimator` gives a KL gradient where the KL term is placed."""
-    if estimator not in KL_ESTIMATORS:
-        raise ConfigError(f"kl.estimator={estimator!r} is not one of: {', '.join(KL_ESTIMATORS)}")
     placement = "reward" if in_reward else "loss"
     if estimator in KL_ESTIMATORS_BY_PLACEMENT[placement]:
         return
@@ -187,3 +186,115 @@ class AdaptiveKLController:
 
     def load_state_dict(self, state: dict) -> None:
         self.value = float(state["value"])
+
+
+def sequence_kl(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, *, estimator: str
+) -> torch.Tensor:
+    """Per-sequence KL estimate [N]: the per-token estimate summed over each completion's real tokens.
+
+    Folded into the reward as `reward - coef * sequence_kl` (before the baseline, so it sees it too).
+    """
+    kl_tok = kl_per_token(logprobs, ref_logprobs, estimator=estimator)  # [N, T]
+    return torch.where(mask.bool(), kl_tok, 0.0).sum(-1)  # [N]
+
+
+# ---- the policy loss of one micro-batch --------------------------------------------------------
+@dataclass
+class LossStats:
+    """Sums over tokens (and optimizer steps) that add across micro-batches and mini-batches;
+    `as_metrics` turns them into the logged per-token and per-step means."""
+
+    loss: float = 0.0  # sum of the normalised losses (per mini-batch they add up to its loss)
+    steps: int = 0  # optimizer steps
+    tokens: float = 0.0  # real completion tokens
+    entropy: float = 0.0
+    clipped: float = 0.0  # tokens whose clipped branch was active
+    log_ratio: float = 0.0  # log pi_train - log pi_sampler (the sampler/trainer mismatch)
+    log_ratio_max: float = 0.0  # the largest |log ratio| (a maximum, not a sum)
+    tis_weight: float | None = None  # with truncated importance sampling
+    kl: float | None = None  # with a KL loss term
+    grad_norm: float | None = None  # with gradient clipping: summed over steps
+
+    def __add__(self, other: LossStats) -> LossStats:
+        def add(a, b):
+            return b if a is None else a if b is None else a + b
+
+        values = {f.name: add(getattr(self, f.name), getattr(other, f.name)) for f in fields(self)}
+        values["log_ratio_max"] = max(self.log_ratio_max, other.log_ratio_max)
+        return LossStats(**values)
+
+    def as_metrics(self) -> dict[str, float]:
+        tokens, steps = max(self.tokens, 1.0), max(self.steps, 1)
+        metrics = {
+            "train/loss": self.loss / steps,
+            "train/entropy": self.entropy / tokens,
+            "train/clip_frac": self.clipped / tokens,
+            "train/sampler_logratio_mean": self.log_ratio / tokens,
+            "train/sampler_logratio_max": self.log_ratio_max,
+        }
+        if self.tis_weight is not None:
+            metrics["train/tis_weight_mean"] = self.tis_weight / tokens
+        if self.kl is not None:
+            metrics["train/kl"] = self.kl / tokens
+        if self.grad_norm is not None:
+            metrics["train/grad_norm"] = self.grad_norm / steps
+        return metrics
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    batch: RolloutBatch,
+    *,
+    settings: LossSettings,
+    num_tokens: float,
+    num_seqs: int,
+    kl_coef: float | None = None,
+    kl_estimator: str = "k3",
+) -> tuple[torch.Tensor, LossStats]:
+    """The policy-gradient loss of a micro-batch and its statistics.
+
+    logprobs [n, C]: the trained policy's, with gradient, under the sampler's distribution.
+    The loss is REINFORCE (-A log pi) when `batch.old_logprobs` is None (one optimizer step per
+    rollout: the ratio is exactly 1), the clipped surrogate otherwise; tokens are weighted by the
+    truncated importance weight min(pi_train / pi_sampler, tis_cap) when `settings.tis_cap` is set,
+    a KL loss term `kl_coef * kl_t` is added when `kl_coef` is not None, and the result is
+    aggregated with the counts of the whole mini-batch (`num_tokens`, `num_seqs`), so that the
+    micro-batch losses add up to the mini-batch loss.
+    """
+    mask = batch.completion_mask  # [n, C]
+    if batch.old_logprobs is None:
+        tok_loss = reinforce_token_loss(logprobs, batch.advantages)  # [n, C]
+        clipped = torch.zeros_like(mask, dtype=torch.bool)  # [n, C]
+    else:
+        tok_loss, clipped = clipped_surrogate_token_loss(
+            logprobs,
+            batch.old_logprobs,
+            batch.advantages,
+            mask,
+            clip_low=settings.clip_low,
+            clip_high=settings.clip_high,
+            ratio_level=settings.ratio_level,
+        )  # [n, C], [n, C]
+    # Sampler/trainer mismatch: log pi_train - log pi_sampler per token, at the rollout's weights.
+    behaviour = (logprobs if batch.old_logprobs is None else batch.old_logprobs).detach()  # [n, C]
+    log_ratio = torch.where(mask.bool(), behaviour - batch.sampler_logprobs, 0.0)  # [n, C]
+    stats = LossStats(
+        tokens=float(mask.sum()),
+        clipped=float((clipped.float() * mask).sum()),
+        log_ratio=float(log_ratio.sum()),
+        log_ratio_max=float(log_ratio.abs().max()) if mask.any() else 0.0,
+    )
+    if settings.tis_cap is not None:
+        weight = torch.exp(log_ratio).clamp(max=settings.tis_cap)  # [n, C] truncated IS weight, no gradient
+        tok_loss = tok_loss * weight  # [n, C]
+        stats.tis_weight = float((weight * mask).sum())
+    if kl_coef is not None:
+        kl_tok = kl_per_token(logprobs, batch.ref_logprobs, estimator=kl_estimator)  # [n, C]
+        tok_loss = tok_loss + kl_coef * kl_tok  # [n, C]
+        stats.kl = float((kl_tok.detach() * mask).sum())
+    loss = aggregate(
+        tok_loss, mask, mode=settings.agg, num_tokens=num_tokens, num_seqs=num_seqs, max_len=settings.max_len
+    )
+    stats.loss = float(loss.detach())
+    return loss, stats

@@ -32,13 +32,13 @@ log = logging.getLogger(__name__)
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 TINY_BUILD_VERSION = 1  # bump when the build code changes, so stale caches are not reused
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ConfigError(f"model.dtype={name!r} is not one of {', '.join(DTYPES)}")
-    return DTYPES[name]
+    if name not in TORCH_DTYPES:
+        raise ConfigError(f"model.dtype={name!r} is not one of {', '.join(TORCH_DTYPES)}")
+    return TORCH_DTYPES[name]
 
 
 def build_char_tokenizer():
@@ -246,3 +246,26 @@ def load_causal_lm(path: str, *, dtype: str, attn_implementation: str | None = N
     if not trainable:
         model.eval().requires_grad_(False)
     return model
+
+
+class FrozenReference:
+    """The frozen reference policy, kept outside the LightningModule's tree of submodules.
+
+    Lightning then neither wraps, moves nor checkpoints it: it is rebuilt from the model files,
+    lives on the training device, or in CPU memory with `offload` (scored there, results moved back).
+    """
+
+    def __init__(self, model, *, offload: bool = False) -> None:
+        self.model, self.offload = model, offload
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def completion_logprobs(self, batch, *, device: torch.device, **score) -> torch.Tensor:
+        """log ref(y_t | ...) [N, C] of the batch's completions (see `logprobs.completion_logprobs`)."""
+        from loorl.logprobs import completion_logprobs
+
+        target = torch.device("cpu") if self.offload else torch.device(device)
+        if next(self.model.parameters()).device != target:
+            self.model.to(target)
+        return completion_logprobs(self.model, batch.to(target), **score).to(device)  # [N, C]

@@ -14,8 +14,6 @@ from loorl.models import torch_dtype
 
 
 class RewardModel:
-    wants_prompt_objects = False
-
     def __init__(
         self,
         *,

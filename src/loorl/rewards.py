@@ -34,19 +34,35 @@ RewardFn = Callable[..., Sequence[float | None]]
 @dataclass
 class WeightedReward:
     name: str
-    fn: RewardFn
+    fn: RewardFn | str  # a callable, or TASK_VERIFIER
     weight: float = 1.0
 
 
-def task_reward_fn(task: Task) -> RewardFn:
-    """The task's verifier with the TRL signature; `_prompt` carries the Prompt objects."""
+TASK_VERIFIER = "task"  # `fn: task` in conf/reward: the task's own verifier (Task.grade)
 
-    def reward(prompts, completions, _prompt=None, **_columns):
-        return [task.reward(p, c) for p, c in zip(_prompt, completions)]
 
-    reward.__name__ = f"{task.name}_verifier"
-    reward.wants_prompt_objects = True
-    return reward
+@dataclass
+class Graded:
+    """A rollout's rewards and correctness, from one verifier pass per sample."""
+
+    rewards: torch.Tensor  # [B, K] the combined reward; NaN = unscorable
+    correct: torch.Tensor  # [B, K] 1.0 where the task's verifier says correct
+    unscorable: int  # samples whose combined reward is NaN
+    parts: dict[str, float]  # each function's mean reward, `rollout/reward_<name>`
+
+
+def grade(task: Task, prompts: Sequence[Prompt], completions: Sequence[str]):
+    """`task.grade` once per sample: (rewards, correct, first error); a sample whose verifier raises
+    gets a NaN reward (unscorable) and counts as not correct."""
+    rewards, correct, first = [], [], None
+    for p, c in zip(prompts, completions):
+        try:
+            r, ok = task.grade(p, c)
+        except Exception as err:  # noqa: BLE001 - a verifier may raise on odd text
+            r, ok, first = None, False, first or err
+        rewards.append(_as_float(r))
+        correct.append(float(bool(ok)))
+    return rewards, correct, first
 
 
 def _as_float(value) -> float:
@@ -61,8 +77,6 @@ def _call(fn: RewardFn, prompts: list[Prompt], completions: list[str]) -> list[f
     columns: dict[str, list] = {}
     for key in sorted({k for p in prompts for k in p.meta}):
         columns[key] = [p.meta.get(key) for p in prompts]
-    if getattr(fn, "wants_prompt_objects", False):
-        columns["_prompt"] = prompts
     out = list(fn(prompts=[p.text for p in prompts], completions=completions, **columns))
     if len(out) != len(completions):
         raise ValueError(f"returned {len(out)} rewards for {len(completions)} completions")
@@ -89,23 +103,34 @@ def call_isolated(
 class RewardComposer:
     """Weighted sum of reward functions over a rollout's [B, K] completions."""
 
-    def __init__(self, functions: list[WeightedReward], *, clip: tuple[float, float] | None = None) -> None:
+    def __init__(
+        self,
+        functions: list[WeightedReward],
+        *,
+        task: Task | None = None,
+        clip: tuple[float, float] | None = None,
+    ) -> None:
         if not functions:
             raise ValueError("reward.functions is empty: name at least one reward function")
-        self.functions, self.clip = functions, clip
+        if task is None and any(wr.fn == TASK_VERIFIER for wr in functions):
+            raise ValueError("a `task` reward function needs the task")
+        self.functions, self.task, self.clip = functions, task, clip
         self.warned: set[str] = set()
 
-    def __call__(
-        self, prompts: Sequence[Prompt], texts: Sequence[Sequence[str]]
-    ) -> tuple[torch.Tensor, int, dict[str, float]]:
-        """Rewards [B, K] (NaN = unscorable), the unscorable count, and each function's mean."""
+    def __call__(self, prompts: Sequence[Prompt], texts: Sequence[Sequence[str]]) -> Graded:
+        """Rewards [B, K] (NaN = unscorable), correctness [B, K], the unscorable count and each
+        function's mean. The task's verifier runs once per sample, for the reward and correctness."""
         k = len(texts[0])
         flat_prompts = [p for p in prompts for _ in range(k)]
         flat_texts = [t for group in texts for t in group]
+        verdicts = grade(self.task, flat_prompts, flat_texts) if self.task is not None else None
         total = torch.zeros(len(flat_texts), dtype=torch.float64)  # [B*K]
         parts = {}
         for wr in self.functions:
-            values, error = call_isolated(wr.fn, flat_prompts, flat_texts)
+            if wr.fn == TASK_VERIFIER:
+                values, _, error = verdicts
+            else:
+                values, error = call_isolated(wr.fn, flat_prompts, flat_texts)
             v = torch.tensor(values, dtype=torch.float64)  # [B*K]
             bad = int(v.isnan().sum())
             if bad:
@@ -125,7 +150,8 @@ class RewardComposer:
         if self.clip is not None:
             total = total.clamp(*self.clip)  # NaN stays NaN
         rewards = total.float().view(len(prompts), k)  # [B, K]
-        return rewards, int(rewards.isnan().sum()), parts
+        correct = torch.tensor(verdicts[1] if verdicts else [0.0] * len(flat_texts)).view(len(prompts), k)
+        return Graded(rewards, correct, int(rewards.isnan().sum()), parts)
 
 
 def build_composer(reward_cfg, task: Task) -> RewardComposer:
@@ -134,19 +160,7 @@ def build_composer(reward_cfg, task: Task) -> RewardComposer:
 
     functions = []
     for name, spec in reward_cfg.functions.items():
-        fn = task_reward_fn(task) if spec.fn == "task" else instantiate(spec.fn)
+        fn = TASK_VERIFIER if spec.fn == TASK_VERIFIER else instantiate(spec.fn)
         functions.append(WeightedReward(name=name, fn=fn, weight=float(spec.get("weight", 1.0))))
     clip = tuple(reward_cfg.clip) if reward_cfg.get("clip") is not None else None
-    return RewardComposer(functions, clip=clip)
-
-
-def correctness(is_correct: Callable[[Prompt, str], bool], prompts: Sequence[Prompt], texts) -> torch.Tensor:
-    """1.0 where `is_correct` holds, [B, K]; a checker that raises counts as not correct."""
-
-    def safe(prompt: Prompt, text: str) -> float:
-        try:
-            return float(bool(is_correct(prompt, text)))
-        except Exception:  # noqa: BLE001 - the reward path has already counted the failure
-            return 0.0
-
-    return torch.tensor([[safe(p, t) for t in group] for p, group in zip(prompts, texts)])
+    return RewardComposer(functions, task=task, clip=clip)

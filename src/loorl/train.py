@@ -10,63 +10,51 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
-from loorl.callbacks import HFExport, RunSummary
-from loorl.config import check_config
+from loorl.callbacks import EngineSync, HFExport, RunSummary
+from loorl.config import Settings, check_config, load_settings
 from loorl.errors import ConfigError
 from loorl.models import load_tokenizer, resolve_model_path
-from loorl.module import KLSettings, LossSettings, PolicyGradientModule
+from loorl.module import PolicyGradientModule
 from loorl.rewards import build_composer
-from loorl.rollout.datamodule import RolloutDataModule, RolloutSettings
-from loorl.rollout.factory import build_engine, resolve_engine, sampling_config
+from loorl.rollout.datamodule import RolloutDataModule
+from loorl.rollout.factory import build_engine, resolve_engine
 
 
-def build_datamodule(cfg: DictConfig, task, tokenizer, model_path: str) -> RolloutDataModule:
-    settings = RolloutSettings(
-        prompts_per_step=cfg.rl.prompts_per_step,
-        samples_per_prompt=cfg.rl.samples_per_prompt,
-        prompts_per_minibatch=cfg.rl.prompts_per_minibatch,
-        epochs_per_rollout=cfg.rl.epochs_per_rollout,
-        estimator=cfg.estimator.name,
-        whiten=cfg.estimator.whiten,
-        truncated=cfg.rollout.truncated,
-        max_prompt_length=cfg.rollout.max_prompt_length,
-        eval_batch_size=cfg.rollout.eval_batch_size,
-        pass_k=cfg.val_pass_k,
-        seed=cfg.seed,
-        groups_per_score_pass=cfg.rl.prompts_per_microbatch,
-        sampler_logprobs_exact=resolve_engine(cfg.rollout.engine)[0] == "hf" and cfg.model.dtype == "float32",
-    )
+def build_datamodule(
+    cfg: DictConfig, task, tokenizer, model_path: str, s: Settings | None = None
+) -> RolloutDataModule:
+    """The environment side: the task, the rollout engine and the reward functions."""
+    s = s or load_settings(cfg)
     engine = build_engine(
-        cfg.rollout, tokenizer, model_path=model_path, model_dtype=cfg.model.dtype, seed=cfg.seed
+        s.rollout, tokenizer, model_path=model_path, model_dtype=s.model.dtype, seed=s.run.seed
     )
-    rewards = build_composer(cfg.reward, task)
     return RolloutDataModule(
-        task=task, tokenizer=tokenizer, engine=engine, settings=settings, rewards=rewards
+        task=task,
+        tokenizer=tokenizer,
+        engine=engine,
+        rl=s.rl,
+        rollout=s.rollout,
+        rewards=build_composer(cfg.reward, task),
+        seed=s.run.seed,
+        pass_k=s.run.val_pass_k,
     )
 
 
-def build_module(cfg: DictConfig, model_path: str) -> PolicyGradientModule:
+def build_module(cfg: DictConfig, model_path: str, s: Settings | None = None) -> PolicyGradientModule:
+    """The learner: policy, reference, optimizer, loss, KL and estimator settings."""
+    s = s or load_settings(cfg)
     return PolicyGradientModule(
         model_path=model_path,
-        dtype=cfg.model.dtype,
-        master_dtype=cfg.model.master_dtype,
-        ref_dtype=cfg.model.ref_dtype,
-        attn_implementation=cfg.model.attn_implementation,
-        gradient_checkpointing=cfg.model.gradient_checkpointing,
-        ref_offload=cfg.model.get("ref_offload", False),
+        model=s.model,
         optimizer=instantiate(cfg.optimizer),
-        sampling=sampling_config(cfg.rollout),
-        loss=LossSettings(
-            agg=cfg.loss.agg,
-            clip_low=cfg.loss.clip_low,
-            clip_high=cfg.loss.clip_high,
-            ratio_level=cfg.loss.ratio_level,
-            max_grad_norm=cfg.loss.max_grad_norm,
-            tis_cap=cfg.loss.tis_cap,
-            prompts_per_microbatch=cfg.rl.prompts_per_microbatch,
-            max_len=cfg.rollout.max_new_tokens,
-        ),
-        kl=KLSettings(**OmegaConf.to_container(cfg.kl, resolve=True)),
+        rl=s.rl,
+        loss=s.loss,
+        kl=s.kl,
+        estimator=s.estimator,
+        sampling=s.rollout.sampling,
+        seed=s.run.seed,
+        # the HF engine samples with the trainer's own forward pass; vLLM or bf16 differ slightly
+        sampler_logprobs_exact=resolve_engine(s.rollout.engine)[0] == "hf" and s.model.dtype == "float32",
     )
 
 
@@ -100,31 +88,31 @@ def instantiate_unwrapped(node):
 
 def train(cfg: DictConfig) -> dict[str, float]:
     """Check the config, build everything, validate once (step 0), train, write the outputs."""
-    check_config(cfg)
+    s = check_config(cfg)
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
-    L.seed_everything(cfg.seed, workers=True)
+    L.seed_everything(s.run.seed, workers=True)
 
     task = instantiate_unwrapped(cfg.task)
     model_path = resolve_model_path(cfg.model, cfg.task, task)
     tokenizer = load_tokenizer(model_path)
-    datamodule = build_datamodule(cfg, task, tokenizer, model_path)
-    module = build_module(cfg, model_path)
+    datamodule = build_datamodule(cfg, task, tokenizer, model_path, s)
+    module = build_module(cfg, model_path, s)
 
     summary = RunSummary(
         str(output_dir),
-        title=f"{cfg.estimator.name} on {cfg.task.name} ({cfg.model.name})",
-        pass_k=cfg.val_pass_k,
+        title=f"{s.estimator.name} on {cfg.task.name} ({s.model.name})",
+        pass_k=s.run.val_pass_k,
     )
-    callbacks = [summary]
-    if cfg.checkpoint_every:
+    callbacks = [EngineSync(datamodule.engine), summary]
+    if s.run.checkpoint_every:
         callbacks.append(
             ModelCheckpoint(
-                dirpath=output_dir / "checkpoints", every_n_epochs=cfg.checkpoint_every, save_last=True
+                dirpath=output_dir / "checkpoints", every_n_epochs=s.run.checkpoint_every, save_last=True
             )
         )
-    if cfg.export_policy:
+    if s.run.export_policy:
         callbacks.append(HFExport(str(output_dir / "policy"), tokenizer))
     loggers = [instantiate(c) for c in (cfg.logger or {}).values()]
     trainer = instantiate(
@@ -132,7 +120,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     )
 
     trainer.validate(module, datamodule=datamodule, verbose=False)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.resume_from)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=s.run.resume_from)
     return summary.summary(trainer)
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -22,9 +22,9 @@ class RolloutBatch:
     completion_mask: torch.Tensor  # [N, C] 1.0 on completion tokens that enter the loss
     sampler_logprobs: torch.Tensor  # [N, C]
     rewards: torch.Tensor  # [N] task reward (NaN = unscorable)
-    advantages: torch.Tensor  # [N]
     group_size: int
     prompt_len: int
+    advantages: torch.Tensor | None = None  # [N] filled in by the learner (module.prepare)
     ref_logprobs: torch.Tensor | None = None  # [N, C] when a reference model is loaded
     old_logprobs: torch.Tensor | None = None  # [N, C] when the importance ratio can differ from 1
 
@@ -64,7 +64,7 @@ def assemble(
     *,
     pad_token_id: int,
     rewards: torch.Tensor,
-    advantages: torch.Tensor,
+    advantages: torch.Tensor | None = None,
     loss_on_truncated: bool = True,
 ) -> RolloutBatch:
     """Pad prompts (left) and completions (right) into one tensor per field.
@@ -84,7 +84,21 @@ def assemble(
         completion_mask=(token_mask * in_loss).float(),  # [N, C]
         sampler_logprobs=logprobs,
         rewards=rewards.reshape(-1).float(),
-        advantages=advantages.reshape(-1).float(),
+        advantages=None if advantages is None else advantages.reshape(-1).float(),
         group_size=k,
         prompt_len=prompts.shape[1],
     )
+
+
+@dataclass
+class Rollout:
+    """What the environment hands the learner for one RL iteration: the batch (prompts, completions,
+    sampler log-probs, rewards) and the environment's statistics of it (reward spread, accuracy,
+    lengths, generation speed). Not frozen: Lightning's batch transfer calls `to`."""
+
+    step: int  # the RL iteration it belongs to
+    batch: RolloutBatch
+    stats: dict[str, float] = field(default_factory=dict)
+
+    def to(self, device) -> Rollout:
+        return Rollout(step=self.step, batch=self.batch.to(device), stats=self.stats)

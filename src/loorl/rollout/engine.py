@@ -16,6 +16,11 @@ class SamplingConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
 
+    @property
+    def truncation(self) -> dict:
+        """The arguments of `logprobs.token_logprobs` that make it score this distribution."""
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
+
 
 @dataclass
 class Completion:
@@ -46,10 +51,11 @@ class RolloutEngine(ABC):
         self.pad_token_id = pad_token_id
 
     @abstractmethod
-    def sync(self, policy, version: int | None = None) -> None:
+    def sync(self, policy, version: int | None = None, *, force: bool = False) -> None:
         """Make the engine sample from `policy`'s current weights.
 
-        `version` (the optimizer step count) lets an engine skip a copy it already holds.
+        `version` (the optimizer step count) lets an engine skip a copy it already holds; `force`
+        copies anyway (a checkpoint may have replaced the weights under the same step count).
         """
 
     def sleep(self) -> None:

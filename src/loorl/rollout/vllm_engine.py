@@ -79,7 +79,7 @@ class VLLMEngine(RolloutEngine):
             **self.llm_kwargs,
         )
 
-    def sync(self, policy, version: int | None = None) -> None:
+    def sync(self, policy, version: int | None = None, *, force: bool = False) -> None:
         if self.llm is None:
             self._build()
             self.synced_version = None
@@ -87,7 +87,7 @@ class VLLMEngine(RolloutEngine):
             self.llm.wake_up(tags=["weights"])
             if self.sleep_level == 2:  # the weights were discarded, not offloaded: whatever the version
                 self.synced_version = None
-        if version is None or version != self.synced_version:
+        if force or version is None or version != self.synced_version:
             weights = [(name, tensor.detach()) for name, tensor in policy.state_dict().items()]
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
             self.llm.reset_prefix_cache()

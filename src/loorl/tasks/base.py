@@ -42,10 +42,15 @@ class Task(ABC):
     def reward(self, prompt: Prompt, completion: str) -> float | None:
         """Reward of one completion; None means unscorable."""
 
-    def is_correct(self, prompt: Prompt, completion: str) -> bool:
-        """Task accuracy of one completion (default: the reward is positive)."""
+    def grade(self, prompt: Prompt, completion: str) -> tuple[float | None, bool]:
+        """The verifier's one pass over a completion: (reward, correct). Default: correct when the
+        reward is positive. A rollout calls this once per sample for both its reward and accuracy."""
         r = self.reward(prompt, completion)
-        return r is not None and not math.isnan(r) and r > 0
+        return r, r is not None and not math.isnan(r) and r > 0
+
+    def is_correct(self, prompt: Prompt, completion: str) -> bool:
+        """Task accuracy of one completion."""
+        return self.grade(prompt, completion)[1]
 
     def sft_examples(self, n: int, *, rng: np.random.Generator) -> list[tuple[str, str]]:
         """(prompt, target completion) pairs for the tiny model's supervised warm start."""

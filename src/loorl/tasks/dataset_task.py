@@ -116,8 +116,9 @@ class DatasetTask(Task):
             )
         return math_reward(completion, prompt.answer, format_score=self.format_score)
 
-    def is_correct(self, prompt: Prompt, completion: str) -> bool:
-        return self.reward(prompt, completion) >= 1.0
+    def grade(self, prompt: Prompt, completion: str) -> tuple[float, bool]:
+        r = self.reward(prompt, completion)
+        return r, r >= 1.0  # a format score alone is not a correct answer
 
     def sft_examples(self, n: int, *, rng: np.random.Generator) -> list[tuple[str, str]]:
         """Worked solutions when the data has them, else just the formatted final answer."""

@@ -1,0 +1,271 @@
+"""The config schema: one frozen dataclass per YAML section, typed, with its own rules.
+
+`Settings.from_cfg(cfg.section, "section")` builds one from the composed Hydra config (values from
+other sections arrive by interpolation, e.g. `loss.max_len: ${rollout.max_new_tokens}`). Types,
+`Literal` choices and bounds are checked by pydantic; rules within a section live in
+`__post_init__`; rules that span sections live in `loorl.config.check_config`. Every failure is a
+`ConfigError` of one line that names the setting (`error: rl.steps='abc': ...`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar, get_args
+
+from omegaconf import DictConfig, OmegaConf
+from pydantic import ConfigDict, Field, ValidationError
+from pydantic.dataclasses import dataclass
+
+from loorl.errors import ConfigError
+from loorl.rollout.engine import SamplingConfig
+
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+NonNegativeFloat = Annotated[float, Field(ge=0)]
+# The choices of every enumerated setting, defined once; the tuples are what error messages,
+# tests and docs list.
+Dtype = Literal["float32", "bfloat16", "float16"]
+Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KLEstimator = Literal["k1", "k2", "k3"]
+RatioLevel = Literal["token", "sequence"]
+TruncatedMode = Literal["score", "zero", "mask"]
+Engine = Literal["hf", "vllm", "auto"]
+DTYPES, AGGREGATIONS, KL_ESTIMATORS = get_args(Dtype), get_args(Aggregation), get_args(KLEstimator)
+RATIO_LEVELS, TRUNCATED_MODES, ENGINES = get_args(RatioLevel), get_args(TruncatedMode), get_args(Engine)
+
+SCHEMA = ConfigDict(extra="forbid")  # an unknown key is a typo, not a setting
+T = TypeVar("T")
+
+
+def _one_line(err: ValidationError, section: str) -> str:
+    """The first validation error as `section.key=value: reason`."""
+    first = err.errors()[0]
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, ConfigError):  # raised by a __post_init__ rule: already one full line
+        return str(cause)
+    key = ".".join(str(part) for part in (section, *first["loc"]) if part != "")
+    if first["type"] == "unexpected_keyword_argument":
+        return f"{key} is not a setting of `{section or 'the top level'}`: check the spelling (see conf/)"
+    if first["type"] == "missing_argument":
+        return f"{key} is missing: set it (see conf/)"
+    reason = first["msg"][0].lower() + first["msg"][1:]
+    return f"{key}={first.get('input')!r}: {reason}"
+
+
+def build(cls: type[T], values: DictConfig | dict[str, Any] | None, section: str) -> T:
+    """`cls(**values)` with interpolations resolved; a bad value becomes one ConfigError line."""
+    if isinstance(values, DictConfig):
+        values = OmegaConf.to_container(values, resolve=True)
+    try:
+        return cls(**(values or {}))
+    except ValidationError as err:
+        raise ConfigError(_one_line(err, section)) from None
+
+
+class Section:
+    """Mixin: `Settings.from_cfg(node, "section")`."""
+
+    @classmethod
+    def from_cfg(cls, values, section: str):
+        return build(cls, values, section)
+
+
+@dataclass(frozen=True, config=SCHEMA)
+class RunSettings(Section):
+    """The top-level keys of train.yaml."""
+
+    seed: int = 0  # seeds Python, NumPy, torch and the prompt stream (0 is a real seed)
+    resume_from: str | None = None
+    val_every: PositiveInt = 10
+    val_pass_k: NonNegativeInt = 4  # 0: off
+    checkpoint_every: NonNegativeInt = 50  # 0: off
+    export_policy: bool = True
+
+
+@dataclass(frozen=True, config=SCHEMA)
+class RLSettings(Section):
+    """`rl`: the shape of one RL iteration."""
+
+    steps: PositiveInt = 150
+    prompts_per_step: PositiveInt = 32  # B
+    samples_per_prompt: PositiveInt = 8  # K
+    prompts_per_minibatch: PositiveInt = 32  # whole groups per optimizer step
+    prompts_per_microbatch: PositiveInt = 32  # whole groups per forward/backward (and no-grad pass)
+    epochs_per_rollout: PositiveInt = 1
+
+    def __post_init__(self) -> None:
+        if self.prompts_per_step % self.prompts_per_minibatch:
+            raise ConfigError(
+                f"rl.prompts_per_step={self.prompts_per_step} is not divisible by rl.prompts_per_minibatch="
+                f"{self.prompts_per_minibatch}: mini-batches hold whole groups, pick a divisor"
+            )
+
+    @property
+    def steps_per_rollout(self) -> int:
+        """Optimizer steps per rollout; more than one makes the importance ratio differ from 1."""
+        return self.epochs_per_rollout * self.prompts_per_step // self.prompts_per_minibatch
+
+
+@dataclass(frozen=True, config=SCHEMA)
+class EstimatorSettings(Section):
+    """`estimator`: the advantage estimator (a name in `loorl.estimators`)."""
+
+    name: str = "rloo"
+    whiten: bool = False
+
+    def __post_init__(self) -> None:
+        from loorl import estimators
+
+        if self.name not in estimators.names():
+            raise ConfigError(
+                f"unknown estimator '{self.name}' (estimator.name); choose one of: "
+                + ", ".join(estimators.names())
+            )
+
+
+@dataclass(frozen=True, config=SCHEMA)
+class LossSettings(Section):
+    """`loss`: the policy loss and its aggregation."""
+
+    agg: Aggregation = "seq-mean-token-sum"
+    clip_low: NonNegativeFloat = 0.2
+    clip_high: NonNegativeFloat = 0.2
+    ratio_level: RatioLevel = "token"
+    max_grad_norm: PositiveFloat | None = 1.0  # None: no clipping
+    tis_cap: PositiveFloat | None = None  # truncated importance-sampling cap; None: off
+    max_len: PositiveInt = 16  # seq-mean-token-sum-norm's constant (the generation limit)
+
+    def __post_init__(self) -> None:
+        if self.ratio_level == "sequence" and self.agg != "seq-mean-token-mean":
+            raise ConfigError(
+                f"loss.ratio_level=sequence (GSPO) with loss.agg={self.agg}: GSPO's sequence ratio averages "
+                "each sequence's tokens; set loss.agg=seq-mean-token-mean, or use experiment=gspo"
+            )
+
+
+@dataclass(frozen=True, config=SCHEMA)
+class KLSettings(Section):
+    """`kl`: the KL penalty to the reference policy."""
+
+    coef: NonNegativeFloat = 0.0  # 0 with adaptive=False: no reference model is loaded at all
+    in_reward: bool = True  # True: folded into the reward before the baseline; False: a loss term
+    estimator: KLEstimator = "k1"
+    adaptive: bool = False
+    target: PositiveFloat = 6.0
+    horizon: PositiveInt = 10000
+
+    def __post_init__(self) -> None:
+        from loorl.losses import check_kl_placement
+
+        if self.adaptive and self.coef <= 0:
+            raise ConfigError("kl.adaptive=true needs kl.coef > 0: the controller scales it, and 0 stays 0")
+        if self.needs_reference:  # only an active KL term must have a KL gradient
+            check_kl_placement(self.estimator, self.in_reward)
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.coef > 0 or self.adaptive
+
+
+@dataclass(frozen=True, config=SCHEMA)
+class VLLMSettings(Section):
+    """`rollout.vllm`: the colocated vLLM engine."""
+
+    dtype: Dtype | None = None  # None: model.dtype
+    max_model_len: PositiveInt | None = None
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.5
+    kv_cache_memory_gb: PositiveFloat | None = None
+    tensor_parallel_size: PositiveInt = 1
+    enforce_eager: bool = False
+    sleep_level: Literal[1, 2] | None = 1
+
+
+@dataclass(frozen=True, config=SCHEMA)
+class RolloutSettings(Section):
+    """`rollout`: the engine, its sampler and the rollout's limits."""
+
+    engine: Engine = "auto"
+    max_new_tokens: PositiveInt = 16
+    temperature: PositiveFloat = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_k: NonNegativeInt = 0  # 0: off
+    truncated: TruncatedMode = "score"
+    max_prompt_length: PositiveInt = 256
+    batch_size: PositiveInt = 512
+    eval_batch_size: PositiveInt = 256
+    vllm: VLLMSettings | None = None  # rollout=hf has no vllm block
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+        )
+
+
+@dataclass(frozen=True, config=SCHEMA)
+class WarmStartSettings(Section):
+    steps: NonNegativeInt = 500
+    batch_size: PositiveInt = 64
+    lr: PositiveFloat = 1e-3
+    seed: int = 0
+
+
+@dataclass(frozen=True, config=SCHEMA)
+class TinyModelSettings(Section):
+    """`model.tiny`: the locally built Qwen2-architecture model."""
+
+    hidden_size: PositiveInt = 128
+    intermediate_size: PositiveInt = 512
+    num_layers: PositiveInt = 4
+    num_heads: PositiveInt = 2
+    num_kv_heads: PositiveInt = 1
+    max_position_embeddings: PositiveInt = 512
+    warm_start: WarmStartSettings = WarmStartSettings()
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+@dataclass(frozen=True, config=SCHEMA)
+class RecipeSettings(Section):
+    """`model.recipe`: the model's recommended RL settings, which the training sections interpolate."""
+
+    lr: PositiveFloat
+    samples_per_prompt: PositiveInt
+    prompts_per_step: PositiveInt
+    prompts_per_minibatch: PositiveInt
+    prompts_per_microbatch: PositiveInt
+    kl_coef: NonNegativeFloat
+    tis_cap: PositiveFloat | None
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)]
+
+
+@dataclass(frozen=True, config=SCHEMA)
+class ModelSettings(Section):
+    """`model`: which model, in which precision, and its recipe."""
+
+    name: str
+    recipe: RecipeSettings
+    name_or_path: str | None = None  # None: build the tiny model
+    cache_dir: str = "~/.cache/loorl"
+    dtype: Dtype = "float32"  # compute dtype
+    master_dtype: Dtype = "float32"  # trainable weights and optimizer state
+    ref_dtype: Dtype = "float32"
+    ref_offload: bool = False
+    attn_implementation: str | None = None
+    gradient_checkpointing: bool = False
+    tiny: TinyModelSettings | None = None
+
+    def __post_init__(self) -> None:
+        if self.master_dtype not in ("float32", self.dtype):
+            raise ConfigError(
+                f"model.master_dtype={self.master_dtype} with model.dtype={self.dtype}: the trainable "
+                "weights are float32 (set model.master_dtype=float32) or, opting into pure low precision, "
+                "model.dtype"
+            )
+        if self.name_or_path is None and self.tiny is None:
+            raise ConfigError("model.name_or_path is null and there is no model.tiny block: set one of them")
