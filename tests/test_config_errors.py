@@ -90,6 +90,11 @@ CASES = [
     (["strategy=ddp"], "trainer.strategy", ["strategy=auto"]),
     (["strategy=fsdp"], "trainer.strategy", ["strategy=auto"]),
     (["rollout.engine=sglang"], "rollout.engine", ["sglang", "hf", "vllm", "auto"]),
+    (["seed=abc"], "seed", ["abc", "integer"]),
+    (["optimizer.lr=-1"], "optimizer", ["-1", "learning rate"]),
+    (["rl.steps=2.5"], "rl.steps", ["2.5", "integer"]),
+    (["+kl.coeff=0.1"], "kl.coeff", ["not a setting"]),
+    (["model.recipe.lr=0"], "model.recipe.lr", ["greater than 0"]),
 ]
 
 
@@ -195,6 +200,16 @@ def test_gspo_experiment_pairs_the_sequence_ratio_with_its_aggregation(bad_cfg):
     )
     assert cfg.rl.prompts_per_step // cfg.rl.prompts_per_minibatch > 1  # off-policy steps: the ratio matters
     check_config(cfg)
+
+
+@pytest.mark.parametrize(("arg", "setting"), [("seed=abc", "seed"), ("optimizer.lr=-1", "optimizer")])
+def test_cli_bad_type_or_value_is_one_error_line(tmp_path, arg, setting):
+    """`python src/train.py seed=abc` / `optimizer.lr=-1`: exit 2 and one `error:` line, no traceback."""
+    code, out = run_cli(tmp_path, arg)
+    assert code == 2, out
+    line = error_line(out)
+    assert setting in line and arg.split("=")[1] in line
+    assert not (tmp_path / "cache").exists()
 
 
 def test_cli_bad_setting(tmp_path):

@@ -253,7 +253,7 @@ def test_logger_csv(default_cfg, tmp_path):
     assert set(cfg.logger) == {"csv"}
     logger = instantiate(cfg.logger.csv)
     assert isinstance(logger, CSVLogger)
-    assert Path(logger.log_dir) == tmp_path / "run"
+    assert Path(logger.log_dir) == tmp_path / "run" / "csv"
 
 
 def test_logger_tensorboard(default_cfg, tmp_path):
@@ -419,3 +419,46 @@ def test_check_group_choices_rejects(override, bad, group, listed):
     msg = str(err.value)
     assert "\n" not in msg
     assert bad in msg and group in msg and listed in msg
+
+
+# Each model's recommended RL settings, pinned: `estimator=rloo model=<m>` must train with these.
+RECIPES = {
+    "tiny": {"lr": 2.0e-4, "K": 8, "B": 32, "kl": 0.0, "tis_cap": None},
+    "qwen05b": {"lr": 1.0e-6, "K": 8, "B": 64, "kl": 0.001, "tis_cap": 2.0},
+    "qwen15b": {"lr": 1.0e-6, "K": 8, "B": 64, "kl": 0.001, "tis_cap": 2.0},
+    "qwen7b": {"lr": 1.0e-6, "K": 5, "B": 64, "kl": 0.001, "tis_cap": 2.0},
+    "llama8b": {"lr": 5.0e-7, "K": 5, "B": 64, "kl": 0.001, "tis_cap": 2.0},
+}
+
+
+def test_every_model_file_has_a_pinned_recipe():
+    assert set(RECIPES) == {p.stem for p in (CONF_DIR / "model").glob("*.yaml")}
+
+
+@pytest.mark.parametrize("model", sorted(RECIPES))
+def test_model_recipe_reaches_the_training_sections(default_cfg, model):
+    """`python src/train.py estimator=rloo model=<m>` trains with the model's recipe, never with
+    another model's (the tiny model's lr 2e-4 would wreck a 7B model)."""
+    from loorl.config import load_settings
+
+    cfg = default_cfg("estimator=rloo", f"model={model}")
+    want = RECIPES[model]
+    s = load_settings(cfg)
+    assert cfg.optimizer.lr == cfg.model.recipe.lr == want["lr"]
+    assert (s.rl.samples_per_prompt, s.rl.prompts_per_step) == (want["K"], want["B"])
+    assert s.kl.coef == want["kl"] and s.loss.tis_cap == want["tis_cap"]
+    if model != "tiny":  # hub models: the 1e-6 range, a reference model, bf16 over float32 weights
+        assert 1e-7 <= s.model.recipe.lr <= 5e-6 and s.kl.needs_reference
+    # the command line still wins over the recipe
+    assert default_cfg(f"model={model}", "optimizer.lr=3e-6").optimizer.lr == 3e-6
+
+
+def test_vllm_memory_share_comes_from_the_model_recipe(default_cfg):
+    assert default_cfg("rollout=vllm", "model=qwen7b").rollout.vllm.gpu_memory_utilization == 0.4
+    assert default_cfg("rollout=vllm").rollout.vllm.gpu_memory_utilization == 0.5
+
+
+def test_debug_quick_profile_composes_and_passes_the_check(default_cfg):
+    cfg = default_cfg("debug=quick")
+    assert (cfg.rl.steps, cfg.rl.prompts_per_step, cfg.trainer.enable_progress_bar) == (4, 8, False)
+    check_config(cfg)

@@ -322,3 +322,76 @@ def test_adaptive_controller_state_round_trip_and_validation():
         AdaptiveKLController(0.1, target=0.0, horizon=10)
     with pytest.raises(ValueError, match=r"kl\.horizon"):
         AdaptiveKLController(0.1, target=1.0, horizon=0)
+
+
+# ---- the pure policy loss and its statistics ---------------------------------------------------
+def _micro_batch(advantages, mask, *, sampler_offset=0.0, old=None):
+    from loorl.rollout.batch import RolloutBatch
+
+    n, c = mask.shape
+    logp = torch.log(torch.full((n, c), 0.5))  # [n, C]
+    batch = RolloutBatch(
+        input_ids=torch.zeros(n, c + 1, dtype=torch.long),
+        attention_mask=torch.ones(n, c + 1, dtype=torch.long),
+        completion_mask=mask,
+        sampler_logprobs=logp - sampler_offset,
+        rewards=torch.zeros(n),
+        group_size=n,
+        prompt_len=1,
+        advantages=advantages,
+        old_logprobs=old,
+    )
+    return logp.requires_grad_(), batch
+
+
+def test_policy_loss_equals_hand_computed_reinforce_and_its_stats():
+    from loorl.losses import policy_loss
+    from loorl.settings import LossSettings
+
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])  # 3 real tokens
+    logp, batch = _micro_batch(torch.tensor([2.0, -1.0]), mask, sampler_offset=0.25)
+    loss, stats = policy_loss(logp, batch, settings=LossSettings(tis_cap=None), num_tokens=3, num_seqs=2)
+    # seq-mean-token-sum: -(2 * 2 log .5 - 1 * log .5) / 2 = -1.5 log .5
+    assert float(loss.detach()) == pytest.approx(-1.5 * math.log(0.5))
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert grad.tolist() == [[-1.0, -1.0, 0.0], [0.5, 0.0, 0.0]]  # -A_i / num_seqs on real tokens
+    assert (stats.tokens, stats.clipped, stats.tis_weight, stats.kl) == (3.0, 0.0, None, None)
+    assert stats.log_ratio == pytest.approx(0.75) and stats.log_ratio_max == pytest.approx(0.25)
+    assert stats.loss == pytest.approx(float(loss))
+
+
+def test_policy_loss_tis_weight_and_kl_term():
+    from loorl.losses import policy_loss
+    from loorl.settings import LossSettings
+
+    mask = torch.ones(1, 2)
+    logp, batch = _micro_batch(torch.tensor([1.0]), mask, sampler_offset=math.log(3.0))
+    batch.ref_logprobs = logp.detach() - 0.1  # d = 0.1 per token
+    loss, stats = policy_loss(
+        logp,
+        batch,
+        settings=LossSettings(tis_cap=2.0),
+        num_tokens=2,
+        num_seqs=1,
+        kl_coef=0.5,
+        kl_estimator="k2",
+    )
+    # weight min(3, 2) = 2 per token: -(2 * 2 log .5) + 0.5 * 2 * (0.1^2 / 2)
+    assert float(loss.detach()) == pytest.approx(-4 * math.log(0.5) + 0.5 * 0.01)
+    assert stats.tis_weight == pytest.approx(4.0) and stats.kl == pytest.approx(0.01)
+
+
+def test_loss_stats_add_and_become_per_token_metrics():
+    from loorl.losses import LossStats
+
+    a = LossStats(loss=1.0, steps=1, tokens=4, entropy=2.0, log_ratio=0.4, log_ratio_max=0.3, grad_norm=2.0)
+    b = LossStats(
+        loss=3.0, steps=1, tokens=6, entropy=8.0, log_ratio=0.6, log_ratio_max=0.1, kl=1.2, grad_norm=4.0
+    )
+    total = a + b
+    assert (total.tokens, total.entropy, total.log_ratio_max, total.kl) == (10, 10.0, 0.3, 1.2)
+    m = total.as_metrics()
+    assert m["train/loss"] == 2.0 and m["train/entropy"] == 1.0 and m["train/grad_norm"] == 3.0
+    assert m["train/sampler_logratio_mean"] == pytest.approx(0.1) and m["train/kl"] == pytest.approx(0.12)
+    assert "train/tis_weight_mean" not in m  # never set: not logged
+    assert (LossStats() + LossStats()).as_metrics()["train/entropy"] == 0.0  # no tokens: no division by 0

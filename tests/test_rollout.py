@@ -295,3 +295,43 @@ def test_kl_in_the_reward_uses_the_trainer_logprobs(quick_config, tiny, exact):
     assert abs(kl) < 1e-5
     n = batch.input_ids.shape[0]  # the adaptive controller saw that same KL: error clipped to -0.2
     assert module.kl_controller.value == pytest.approx(0.1 * (1 - 0.2 * n / 100))
+
+
+def test_datamodule_collects_a_rollout_with_a_real_engine_and_no_learner(tiny):
+    """The environment side alone: a real HF engine on the tiny model, no LightningModule, no
+    Trainer. The verifier runs once per sample and gives both the reward and the accuracy."""
+    from loorl.rewards import RewardComposer, WeightedReward
+
+    cfg, task, path, tok, model = tiny
+    calls = []
+
+    class CountingTask(type(task)):
+        def grade(self, prompt, completion):
+            calls.append(completion)
+            return super().grade(prompt, completion)
+
+    counting = CountingTask(max_operand=29, eval_size=40)
+    dm = build_datamodule(cfg, counting, tok, path)
+    assert isinstance(dm.rewards, RewardComposer) and dm.rewards.task is counting
+    dm.engine.sync(model)
+    rollout = dm.collect(step=3)
+    b, k = cfg.rl.prompts_per_step, cfg.rl.samples_per_prompt
+    assert rollout.step == 3 and rollout.batch.input_ids.shape[0] == b * k
+    assert rollout.batch.advantages is None and rollout.batch.ref_logprobs is None  # the learner's part
+    assert len(calls) == b * k  # one verifier pass per sample
+    rewards = rollout.batch.rewards.view(b, k)
+    assert rollout.stats["rollout/accuracy"] == pytest.approx(float(rewards.mean()))  # 1/0 reward = correct
+    for key in (
+        "rollout/reward_std",
+        "rollout/completion_len",
+        "rollout/truncated_frac",
+        "perf/gen_tokens_per_s",
+    ):
+        assert key in rollout.stats
+    again = build_datamodule(cfg, counting, tok, path)
+    again.engine.sync(model)
+    assert [p.text for p in again.prompts_for_step(3)] == [p.text for p in dm.prompts_for_step(3)]
+    results = dm.evaluate(counting.eval_prompts()[:10])  # what validation_step receives
+    assert results["correct"].shape == (10,) and results["pass_k"].shape == (10,)
+    custom = RewardComposer([WeightedReward("task", "task")], task=counting)
+    assert custom(dm.prompts_for_step(0)[:2], [["1", "2"], ["3", "4"]]).correct.shape == (2, 2)

@@ -31,7 +31,7 @@ def test_quick_run_writes_every_output(quick_cfg, tmp_path):
     assert "held-out greedy accuracy" in text and "tokens/s" in text
     png = (run / "learning_curve.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
-    with open(run / "metrics.csv") as f:
+    with open(run / "csv" / "metrics.csv") as f:
         columns = set(next(csv.reader(f)))
     expected = {
         "rollout/reward",

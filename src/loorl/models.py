@@ -106,7 +106,8 @@ def warm_start(policy, tokenizer, task: Task, *, steps: int, batch_size: int, lr
     max_len = policy.config.max_position_embeddings
     policy.train()
     loss = torch.tensor(float("nan"))
-    for _ in tqdm(range(steps), desc="tiny model warm start (SFT)", leave=False):
+    # disable=None: a bar on a terminal, nothing in a log file (the build logs its start and end)
+    for _ in tqdm(range(steps), desc="tiny model warm start (SFT)", leave=False, disable=None):
         pairs = task.sft_examples(batch_size, rng=rng)
         seqs, masks = [], []
         for prompt, answer in pairs:

@@ -94,6 +94,7 @@ class PolicyGradientModule(L.LightningModule):
             )  # fmt: skip
         load = {"attn_implementation": m.attn_implementation}
         self.policy = load_causal_lm(self.model_path, dtype=m.master_dtype, **load)
+        self.policy.train()  # from_pretrained returns eval mode; gradient checkpointing needs train mode
         if m.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
         if self.kl.needs_reference:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -12,12 +14,15 @@ from omegaconf import DictConfig, OmegaConf
 
 from loorl.callbacks import EngineSync, HFExport, RunSummary
 from loorl.config import Settings, check_config, load_settings
+from loorl.console import ProgressLines, quiet_library_output
 from loorl.errors import ConfigError
 from loorl.models import load_tokenizer, resolve_model_path
 from loorl.module import PolicyGradientModule
 from loorl.rewards import build_composer
 from loorl.rollout.datamodule import RolloutDataModule
 from loorl.rollout.factory import build_engine, resolve_engine
+
+log = logging.getLogger(__name__)
 
 
 def build_datamodule(
@@ -92,7 +97,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
-    L.seed_everything(s.run.seed, workers=True)
+    L.seed_everything(s.run.seed, workers=True, verbose=False)
 
     task = instantiate_unwrapped(cfg.task)
     model_path = resolve_model_path(cfg.model, cfg.task, task)
@@ -114,10 +119,20 @@ def train(cfg: DictConfig) -> dict[str, float]:
         )
     if s.run.export_policy:
         callbacks.append(HFExport(str(output_dir / "policy"), tokenizer))
+    progress_bar = bool(cfg.trainer.enable_progress_bar)
+    if progress_bar and not sys.stdout.isatty():  # CI, nohup: occasional lines instead of redraws
+        callbacks.append(ProgressLines(s.rl.steps))
+        progress_bar = False
     loggers = [instantiate(c) for c in (cfg.logger or {}).values()]
     trainer = instantiate(
-        cfg.trainer, logger=loggers or False, callbacks=callbacks, precision=trainer_precision(cfg)
+        cfg.trainer,
+        logger=loggers or False,
+        callbacks=callbacks,
+        precision=trainer_precision(cfg),
+        enable_progress_bar=progress_bar,
     )
+    if s.run.resume_from:
+        log.info("resuming from %s", s.run.resume_from)
 
     trainer.validate(module, datamodule=datamodule, verbose=False)
     trainer.fit(module, datamodule=datamodule, ckpt_path=s.run.resume_from)
@@ -127,6 +142,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
 def main(cfg: DictConfig) -> dict[str, float]:
     """The CLI: a bad setting prints one `error:` line and exits 2."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    quiet_library_output()
     try:
         return train(cfg)
     except ConfigError as err:

@@ -1,0 +1,58 @@
+"""What a run prints: the engine choice, progress, the validation numbers and the summary.
+
+`quiet_library_output` turns off library chatter that does not help a loorl user, each item for a
+stated reason (no blanket filter: a new warning still shows); `ProgressLines` replaces the
+progress bar's redraws with occasional lines when the output is not a terminal (CI, nohup).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+
+import lightning as L
+from lightning.pytorch.utilities import rank_zero_only
+
+log = logging.getLogger("loorl")
+
+
+def quiet_library_output() -> None:
+    # Lightning's info lines ("GPU available: False", "Seed set to 0", the litlogger advert): info,
+    # not warnings; Lightning documents raising these loggers' level to quiet them.
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # transformers' per-call "Loading weights" / "Writing model shards" bars (sub-second here)
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    # Lightning 2.6.6 (the newest) builds torch's LeafSpec, which torch 2.13 deprecates: a library
+    # pairing issue, not something a loorl setting can change. Only this message is filtered.
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        category=FutureWarning,
+        module=r"lightning\.pytorch\.utilities\._pytree",
+    )
+
+
+class ProgressLines(L.Callback):
+    """One log line per validation (step, reward, held-out accuracy, elapsed time): progress for
+    output that is not a terminal, where a progress bar's carriage-return redraws are noise."""
+
+    def __init__(self, total_steps: int) -> None:
+        self.total_steps = total_steps
+        self.started = time.perf_counter()
+
+    @rank_zero_only
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking:
+            return
+        m = trainer.callback_metrics
+        step = trainer.current_epoch + 1 if trainer.state.fn == "fit" else 0
+        parts = [f"step {step}/{self.total_steps}"]
+        for key in ("rollout/reward", "val/accuracy", "val/pass_at_k"):
+            if key in m and (key != "rollout/reward" or step > 0):
+                parts.append(f"{key} {float(m[key]):.3f}")
+        parts.append(f"{time.perf_counter() - self.started:.0f} s")
+        log.info("  ".join(parts))
