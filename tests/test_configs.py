@@ -460,5 +460,5 @@ def test_vllm_memory_share_comes_from_the_model_recipe(default_cfg):
 
 def test_debug_quick_profile_composes_and_passes_the_check(default_cfg):
     cfg = default_cfg("debug=quick")
-    assert (cfg.rl.steps, cfg.rl.prompts_per_step, cfg.trainer.enable_progress_bar) == (4, 8, False)
+    assert (cfg.rl.steps, cfg.rl.prompts_per_step, cfg.val_every) == (4, 8, 2)
     check_config(cfg)

@@ -357,7 +357,7 @@ def test_policy_loss_equals_hand_computed_reinforce_and_its_stats():
     assert grad.tolist() == [[-1.0, -1.0, 0.0], [0.5, 0.0, 0.0]]  # -A_i / num_seqs on real tokens
     assert (stats.tokens, stats.clipped, stats.tis_weight, stats.kl) == (3.0, 0.0, None, None)
     assert stats.log_ratio == pytest.approx(0.75) and stats.log_ratio_max == pytest.approx(0.25)
-    assert stats.loss == pytest.approx(float(loss))
+    assert stats.loss == pytest.approx(float(loss.detach()))
 
 
 def test_policy_loss_tis_weight_and_kl_term():

@@ -145,3 +145,27 @@ def test_resume_from_checkpoint_continues_the_step_count(quick_cfg, tmp_path):
     assert summary["rl_steps"] == 4 and summary["optimizer_steps"] == 4
     steps = [s for s, _ in _history(tmp_path / "second")["rollout/reward"]]
     assert steps == [2, 3]
+
+
+def test_cli_run_log_is_quiet_and_useful(model_cache, tmp_path):
+    """`python src/train.py debug=quick` into a pipe (as under CI or nohup): the engine choice,
+    occasional progress lines, the validation numbers and the summary; no warnings, no redraws."""
+    import os
+    import subprocess
+    import sys
+
+    from loorl.config import CONF_DIR
+
+    env = {**os.environ, "LOORL_CACHE": str(model_cache)}
+    proc = subprocess.run(
+        [sys.executable, "src/train.py", "debug=quick", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=CONF_DIR.parent, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "rollout engine: hf" in out and "held-out greedy accuracy" in out
+    progress = [line for line in out.splitlines() if "val/accuracy" in line and "step " in line]
+    assert len(progress) == 3, out  # before training, then every val_every=2 of the 4 steps
+    noise = ("warn", "Tip", "Found ", "infer the", "deprecated", "GPU available", "\r", "Traceback")
+    assert not [line for line in out.splitlines() if any(n in line for n in noise)], out
+    assert (tmp_path / "run" / "csv" / "metrics.csv").exists()
