@@ -37,20 +37,14 @@ def _clean_generation_defaults(model):
 class HFEngine(RolloutEngine):
     name = "hf"
 
-    def __init__(
-        self,
-        sampling: SamplingConfig,
-        *,
-        eos_token_ids: int | list[int],
-        pad_token_id: int,
-        batch_size: int = 512,
-    ):
-        super().__init__(sampling, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
+    def __init__(self, sampling: SamplingConfig, *, batch_size: int = 512, **token_ids: int | list[int]):
+        """`token_ids`: the base engine's `eos_token_ids` and `pad_token_id`."""
+        super().__init__(sampling, **token_ids)
         self.batch_size = batch_size  # sequences per generate call (memory bound)
-        self.policy = None
+        self.model = None
 
     def sync(self, policy, version: int | None = None, *, force: bool = False) -> None:
-        self.policy = policy
+        self.model = policy
 
     def generation_config(self, greedy: bool):
         """The whole sampler, explicitly: greedy, or temperature -> top-k -> top-p and nothing else."""
@@ -75,20 +69,20 @@ class HFEngine(RolloutEngine):
     def generate(
         self, prompt_ids: list[list[int]], *, n: int, greedy: bool = False
     ) -> list[list[Completion]]:
-        if self.policy is None:
+        if self.model is None:
             raise RuntimeError("HFEngine.generate called before sync(policy)")
-        was_training = self.policy.training
-        self.policy.eval()
+        was_training = self.model.training
+        self.model.eval()
         config = self.generation_config(greedy)
-        device = next(self.policy.parameters()).device
+        device = next(self.model.parameters()).device
         flat = [ids for ids in prompt_ids for _ in range(n)]  # prompt-major: rows g*n..g*n+n-1
         out: list[Completion] = []
         for start in range(0, len(flat), self.batch_size):
             chunk = flat[start : start + self.batch_size]
             ids, mask = pad(chunk, value=self.pad_token_id, side="left")  # [b, P], [b, P]
             width = ids.shape[1]
-            with _clean_generation_defaults(self.policy):
-                res = self.policy.generate(
+            with _clean_generation_defaults(self.model):
+                res = self.model.generate(
                     input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config
                 )
             tokens = res.sequences[:, width:]  # [b, C]
@@ -104,5 +98,5 @@ class HFEngine(RolloutEngine):
             for t, lp in zip(tokens.tolist(), logprobs.tolist()):
                 out.append(self.cut_at_eos(t, lp))
         if was_training:
-            self.policy.train()
+            self.model.train()
         return [out[g * n : (g + 1) * n] for g in range(len(prompt_ids))]
