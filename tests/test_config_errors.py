@@ -95,6 +95,7 @@ CASES = [
     (["rl.steps=2.5"], "rl.steps", ["2.5", "integer"]),
     (["+kl.coeff=0.1"], "kl.coeff", ["not a setting"]),
     (["model.recipe.lr=0"], "model.recipe.lr", ["greater than 0"]),
+    (["model.tiny=null"], "model.tiny", ["model.name_or_path"]),
 ]
 
 

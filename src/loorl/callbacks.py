@@ -18,6 +18,11 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def validated_step(trainer) -> int:
+    """The RL step a validation measures: RL steps done so far (0 before training)."""
+    return trainer.current_epoch + 1 if trainer.state.fn == "fit" else trainer.global_step
+
+
 class RunSummary(L.Callback):
     """Collects per-step metrics and, at the end of `fit`, writes `summary.md`, `metrics.json` and
     `learning_curve.png` into `output_dir` and prints the summary.
@@ -40,7 +45,7 @@ class RunSummary(L.Callback):
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or "val/accuracy" not in trainer.callback_metrics:
             return
-        step = trainer.current_epoch + 1 if trainer.state.fn == "fit" else trainer.global_step
+        step = validated_step(trainer)
         for key in ("val/accuracy", "val/pass_at_k"):
             if key in trainer.callback_metrics:
                 self._record(key, step, trainer.callback_metrics[key])

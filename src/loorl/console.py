@@ -14,6 +14,8 @@ import warnings
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 
+from loorl.callbacks import validated_step
+
 log = logging.getLogger("loorl")
 
 
@@ -49,7 +51,7 @@ class ProgressLines(L.Callback):
         if trainer.sanity_checking:
             return
         m = trainer.callback_metrics
-        step = trainer.current_epoch + 1 if trainer.state.fn == "fit" else 0
+        step = validated_step(trainer)
         parts = [f"step {step}/{self.total_steps}"]
         for key in ("rollout/reward", "val/accuracy", "val/pass_at_k"):
             if key in m and (key != "rollout/reward" or step > 0):

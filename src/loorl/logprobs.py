@@ -151,23 +151,9 @@ def completion_logprobs(
     [n, C, V] logits of only one pass are alive: a whole rollout's logits are the memory peak with
     large vocabularies (512 x 513 x 152k bf16 logits are 80 GB). Padding positions are garbage.
     """
-    step = batch.num_groups if groups_per_pass is None else max(1, groups_per_pass)
     parts = []
-    for start in range(0, batch.num_groups, step):
-        sub = (
-            batch
-            if step >= batch.num_groups
-            else batch.select_groups(list(range(start, min(batch.num_groups, start + step))))
-        )
+    for sub in batch.group_chunks(groups_per_pass):
         logits = completion_logits(model, sub)  # [n, C, V]
-        parts.append(
-            token_logprobs(
-                logits,
-                sub.completion_ids,
-                temperature=sampling.temperature,
-                top_k=sampling.top_k,
-                top_p=sampling.top_p,
-            )  # [n, C]
-        )
+        parts.append(token_logprobs(logits, sub.completion_ids, **sampling.truncation))  # [n, C]
         del logits
     return torch.cat(parts)  # [N, C]

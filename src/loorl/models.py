@@ -174,9 +174,7 @@ def check_model_reachable(model_cfg: DictConfig) -> None:
     Only the model's config.json is read (from disk, the HF cache or the hub).
     """
     name = model_cfg.name_or_path
-    if name is None:
-        if model_cfg.get("tiny") is None:
-            raise ConfigError("model.name_or_path is null and there is no model.tiny block: set one of them")
+    if name is None:  # the tiny model, built locally (settings.ModelSettings requires its block)
         return
     if looks_like_local_path(name):
         path = Path(os.path.expanduser(name))

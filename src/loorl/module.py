@@ -169,9 +169,8 @@ class PolicyGradientModule(L.LightningModule):
         counts = {"num_tokens": max(float(mask.sum()), 1.0), "num_seqs": mask.shape[0]}
         kl_coef = self.kl_controller.value if self.reference is not None and not self.kl.in_reward else None
         truncation = self.sampling.truncation  # the sampler's temperature, top-k, top-p
-        per_micro, stats = self.rl.prompts_per_microbatch, LossStats()
-        for start in range(0, batch.num_groups, per_micro):
-            sub = batch.select_groups(list(range(start, min(batch.num_groups, start + per_micro))))
+        stats = LossStats()
+        for sub in batch.group_chunks(self.rl.prompts_per_microbatch):
             logits = completion_logits(self.policy, sub)  # [n, C, V]
             logp = token_logprobs(logits, sub.completion_ids, **truncation)  # [n, C]
             loss, micro = policy_loss(

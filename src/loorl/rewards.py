@@ -65,6 +65,19 @@ def grade(task: Task, prompts: Sequence[Prompt], completions: Sequence[str]):
     return rewards, correct, first
 
 
+def correctness(task: Task, prompts: Sequence[Prompt], texts: Sequence[Sequence[str]]) -> torch.Tensor:
+    """1.0 where the task's verifier says correct, [B, K] for `texts` [B][K] (one `grade` per sample)."""
+    flat_prompts, flat_texts = _flatten(prompts, texts)
+    _, correct, _ = grade(task, flat_prompts, flat_texts)
+    return torch.tensor(correct).view(len(prompts), len(texts[0]))  # [B, K]
+
+
+def _flatten(prompts: Sequence[Prompt], texts: Sequence[Sequence[str]]) -> tuple[list[Prompt], list[str]]:
+    """Group-major flat lists: sample k of prompt b at b*K + k, its prompt repeated K times."""
+    k = len(texts[0])
+    return [p for p in prompts for _ in range(k)], [t for group in texts for t in group]
+
+
 def _as_float(value) -> float:
     try:
         value = float("nan") if value is None else float(value)
@@ -121,8 +134,7 @@ class RewardComposer:
         """Rewards [B, K] (NaN = unscorable), correctness [B, K], the unscorable count and each
         function's mean. The task's verifier runs once per sample, for the reward and correctness."""
         k = len(texts[0])
-        flat_prompts = [p for p in prompts for _ in range(k)]
-        flat_texts = [t for group in texts for t in group]
+        flat_prompts, flat_texts = _flatten(prompts, texts)
         verdicts = grade(self.task, flat_prompts, flat_texts) if self.task is not None else None
         total = torch.zeros(len(flat_texts), dtype=torch.float64)  # [B*K]
         parts = {}

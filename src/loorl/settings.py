@@ -22,6 +22,7 @@ PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 NonNegativeFloat = Annotated[float, Field(ge=0)]
+Fraction = Annotated[float, Field(gt=0, le=1)]
 # The choices of every enumerated setting, defined once; the tuples are what error messages,
 # tests and docs list.
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -52,22 +53,18 @@ def _one_line(err: ValidationError, section: str) -> str:
     return f"{key}={first.get('input')!r}: {reason}"
 
 
-def build(cls: type[T], values: DictConfig | dict[str, Any] | None, section: str) -> T:
-    """`cls(**values)` with interpolations resolved; a bad value becomes one ConfigError line."""
-    if isinstance(values, DictConfig):
-        values = OmegaConf.to_container(values, resolve=True)
-    try:
-        return cls(**(values or {}))
-    except ValidationError as err:
-        raise ConfigError(_one_line(err, section)) from None
-
-
 class Section:
     """Mixin: `Settings.from_cfg(node, "section")`."""
 
     @classmethod
-    def from_cfg(cls, values, section: str):
-        return build(cls, values, section)
+    def from_cfg(cls: type[T], values: DictConfig | dict[str, Any] | None, section: str) -> T:
+        """`cls(**values)` with interpolations resolved; a bad value becomes one ConfigError line."""
+        if isinstance(values, DictConfig):
+            values = OmegaConf.to_container(values, resolve=True)
+        try:
+            return cls(**(values or {}))
+        except ValidationError as err:
+            raise ConfigError(_one_line(err, section)) from None
 
 
 @dataclass(frozen=True, config=SCHEMA)
@@ -173,7 +170,7 @@ class VLLMSettings(Section):
 
     dtype: Dtype | None = None  # None: model.dtype
     max_model_len: PositiveInt | None = None
-    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.5
+    gpu_memory_utilization: Fraction = 0.5
     kv_cache_memory_gb: PositiveFloat | None = None
     tensor_parallel_size: PositiveInt = 1
     enforce_eager: bool = False
@@ -187,7 +184,7 @@ class RolloutSettings(Section):
     engine: Engine = "auto"
     max_new_tokens: PositiveInt = 16
     temperature: PositiveFloat = 1.0
-    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_p: Fraction = 1.0
     top_k: NonNegativeInt = 0  # 0: off
     truncated: TruncatedMode = "score"
     max_prompt_length: PositiveInt = 256
@@ -241,7 +238,7 @@ class RecipeSettings(Section):
     prompts_per_microbatch: PositiveInt
     kl_coef: NonNegativeFloat
     tis_cap: PositiveFloat | None
-    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)]
+    gpu_memory_utilization: Fraction
 
 
 @dataclass(frozen=True, config=SCHEMA)

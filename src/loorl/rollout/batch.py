@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -50,6 +51,16 @@ class RolloutBatch:
             v = getattr(self, f.name)
             values[f.name] = v[rows] if isinstance(v, torch.Tensor) else v
         return RolloutBatch(**values)
+
+    def group_chunks(self, groups_per_chunk: int | None) -> Iterator[RolloutBatch]:
+        """The batch in consecutive pieces of whole groups (micro-batches, log-prob passes); the
+        batch itself when one piece holds it all (`groups_per_chunk` None or large enough)."""
+        size = self.num_groups if groups_per_chunk is None else max(1, groups_per_chunk)
+        if size >= self.num_groups:
+            yield self
+            return
+        for start in range(0, self.num_groups, size):
+            yield self.select_groups(list(range(start, min(self.num_groups, start + size))))
 
     def to(self, device) -> RolloutBatch:
         values = {f.name: getattr(self, f.name) for f in fields(self)}

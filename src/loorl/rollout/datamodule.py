@@ -21,18 +21,20 @@ from torch.utils.data import DataLoader
 
 from loorl.errors import ConfigError
 from loorl.masked import masked_std
-from loorl.rewards import TASK_VERIFIER, Graded, RewardComposer, WeightedReward, grade
+from loorl.rewards import TASK_VERIFIER, Graded, RewardComposer, WeightedReward, correctness
 from loorl.rollout.batch import Rollout, assemble
 from loorl.rollout.engine import Completion, RolloutEngine
 from loorl.settings import RLSettings, RolloutSettings
 from loorl.tasks.base import Prompt, Task
 
 
-def rollout_stats(graded: Graded, groups: list[list[Completion]], gen_seconds: float) -> dict[str, float]:
-    """The environment's statistics of a rollout (the reward mean is logged by the learner)."""
+def rollout_stats(
+    graded: Graded, groups: list[list[Completion]], finished: torch.Tensor, gen_seconds: float
+) -> dict[str, float]:
+    """The environment's statistics of a rollout (the reward mean is logged by the learner).
+    `finished` [B, K]: the completions that ended with EOS."""
     rewards = graded.rewards  # [B, K]
     scorable = ~rewards.isnan()  # [B, K]
-    finished = torch.tensor([[c.finished for c in g] for g in groups])  # [B, K]
     lengths = torch.tensor([[len(c.token_ids) for c in g] for g in groups], dtype=torch.float)  # [B, K]
     group_std = masked_std(rewards, scorable, dim=-1)  # [B] 0 with < 2 scorable
     return {
@@ -110,8 +112,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.engine.sleep()
         graded = self.rewards(prompts, self.decode(groups))  # [B, K] rewards and correctness
         rewards = graded.rewards  # [B, K]
+        finished = torch.tensor([[c.finished for c in g] for g in groups])  # [B, K]
         if self.settings.truncated == "zero":
-            finished = torch.tensor([[c.finished for c in g] for g in groups])  # [B, K]
             rewards = torch.where(finished | rewards.isnan(), rewards, torch.zeros_like(rewards))
         batch = assemble(
             prompt_ids,
@@ -120,45 +122,41 @@ class RolloutDataModule(L.LightningDataModule):
             rewards=rewards,
             loss_on_truncated=self.settings.truncated != "mask",
         )
-        return Rollout(step=step, batch=batch, stats=rollout_stats(graded, groups, gen_seconds))
+        return Rollout(step=step, batch=batch, stats=rollout_stats(graded, groups, finished, gen_seconds))
 
     def train_dataloader(self) -> DataLoader:
         """One item: this epoch's rollout, collected when the loop fetches it."""
         step = self.trainer.current_epoch
-        return DataLoader([step], batch_size=None, collate_fn=self._collect, generator=_own_generator())
+        collate = self._under_precision(self.collect)
+        return DataLoader([step], batch_size=None, collate_fn=collate, generator=_own_generator())
 
-    def _collect(self, step: int) -> Rollout:
-        # the precision plugin's autocast (bf16-mixed): the sampler computes in training_step's dtype
-        with self.trainer.precision_plugin.forward_context():
-            return self.collect(step)
+    def _under_precision(self, fn):
+        """`fn` under the precision plugin's autocast (bf16-mixed), so the sampler computes in
+        training_step's dtype."""
+
+        def run(item):
+            with self.trainer.precision_plugin.forward_context():
+                return fn(item)
+
+        return run
 
     # ---- held-out evaluation -------------------------------------------------------------------
     def val_dataloader(self) -> DataLoader:
         return DataLoader(
             self.eval_prompts,
             batch_size=self.settings.eval_batch_size,
-            collate_fn=self._evaluate,
+            collate_fn=self._under_precision(self.evaluate),
             generator=_own_generator(),
         )
-
-    def _evaluate(self, prompts: list[Prompt]) -> dict[str, torch.Tensor | None]:
-        with self.trainer.precision_plugin.forward_context():
-            return self.evaluate(prompts)
 
     @torch.no_grad()
     def evaluate(self, prompts: list[Prompt]) -> dict[str, torch.Tensor | None]:
         """Greedy correctness [n] and, with `pass_k` > 0, whether any of k samples is correct [n]."""
         ids = self.encode_prompts(prompts)
         greedy = self.decode(self.engine.generate(ids, n=1, greedy=True))
-        results = {"correct": self._correct(prompts, greedy).view(-1), "pass_k": None}  # [n]
+        results = {"correct": correctness(self.task, prompts, greedy).view(-1), "pass_k": None}  # [n]
         if self.pass_k > 0:
             sampled = self.decode(self.engine.generate(ids, n=self.pass_k))
-            results["pass_k"] = self._correct(prompts, sampled).amax(-1)  # [n]
+            results["pass_k"] = correctness(self.task, prompts, sampled).amax(-1)  # [n]
         self.engine.sleep()
         return results
-
-    def _correct(self, prompts: list[Prompt], texts: list[list[str]]) -> torch.Tensor:
-        k = len(texts[0])
-        flat = [p for p in prompts for _ in range(k)]
-        _, correct, _ = grade(self.task, flat, [t for group in texts for t in group])
-        return torch.tensor(correct).view(len(prompts), k)  # [n, k]
