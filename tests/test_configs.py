@@ -15,21 +15,22 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from omegaconf import DictConfig, OmegaConf
 
 from loorl import estimators
 from loorl.config import CONF_DIR, check_config, check_group_choices
 from loorl.errors import ConfigError
 from loorl.settings import AGGREGATIONS, DTYPES, ENGINES, KL_ESTIMATORS, RATIO_LEVELS, TRUNCATED_MODES
+from loorl.strategies import FSDPStrategy
 
 GROUPS = ["estimator", "model", "task", "rollout", "strategy", "trainer", "logger", "experiment"]
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))]
-# These compose but are refused by check_config by design: the hub model needs the network,
-# multi-process strategies are not implemented yet (tests/test_config_errors.py covers both);
-# gsm8k and math need data.path (tests/test_tasks.py checks them with fixture data).
+# These compose but are refused by check_config by design: the hub model needs the network
+# (tests/test_config_errors.py); gsm8k and math need data.path (tests/test_tasks.py checks them
+# with fixture data).
 HUB_MODELS = ("qwen05b", "qwen15b", "qwen7b", "llama8b")
-NOT_CHECKABLE = {("strategy", "ddp"), ("strategy", "fsdp"), ("task", "gsm8k"), ("task", "math")}
+NOT_CHECKABLE = {("task", "gsm8k"), ("task", "math")}
 NOT_CHECKABLE |= {("model", name) for name in HUB_MODELS}
 YAML_FILES = sorted(CONF_DIR.rglob("*.yaml"))
 
@@ -215,10 +216,10 @@ def test_strategy_ddp_instantiates(default_cfg):
 
 
 def test_strategy_fsdp_instantiates(default_cfg):
-    cfg = default_cfg("strategy=fsdp")
-    assert cfg.trainer.strategy._target_ == "loorl.strategies.fsdp_strategy"
-    strategy = instantiate(cfg.trainer.strategy)  # constructing is fine on CPU; setup is not
-    assert isinstance(strategy, FSDPStrategy)
+    cfg = default_cfg("strategy=fsdp", "trainer.strategy.offload_params=true")
+    strategy = instantiate(cfg.trainer.strategy)
+    assert isinstance(strategy, FSDPStrategy) and isinstance(strategy, ModelParallelStrategy)
+    assert strategy.offload_params and strategy.shard_reference and strategy.layer_classes is None
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in (CONF_DIR / "trainer").glob("*.yaml")))
@@ -462,3 +463,15 @@ def test_debug_quick_profile_composes_and_passes_the_check(default_cfg):
     cfg = default_cfg("debug=quick")
     assert (cfg.rl.steps, cfg.rl.prompts_per_step, cfg.val_every) == (4, 8, 2)
     check_config(cfg)
+
+
+def test_slurm_launcher_composes(tmp_path):
+    """`hydra/launcher=slurm` (the submitit plugin, `.[slurm]`): one SLURM task per process."""
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    overrides = ["hydra/launcher=slurm", "strategy=fsdp", "trainer.devices=8", "trainer.num_nodes=2"]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=[*overrides, f"output_dir={tmp_path}"], return_hydra_config=True)
+    launcher = cfg.hydra.launcher
+    assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
+    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 8, 8)
+    assert launcher.timeout_min > 0 and launcher.partition is None

@@ -13,6 +13,7 @@ from loorl.logprobs import completion_logits, completion_logprobs
 from loorl.models import ensure_tiny_model, load_causal_lm, load_tokenizer
 from loorl.module import minibatch_groups
 from loorl.rollout.batch import assemble
+from loorl.rollout.datamodule import sampler_seed
 from loorl.rollout.engine import Completion, SamplingConfig
 from loorl.rollout.hf_engine import HFEngine
 from loorl.tasks.base import Prompt
@@ -63,6 +64,31 @@ def test_sampler_logprobs_match_recomputed(tiny, temperature):
     assert diff < 1e-4, diff
     chunked = completion_logprobs(model, batch, sampling=sampling, groups_per_pass=2)
     assert torch.allclose(chunked[mask], recomputed[mask], atol=1e-5)
+
+
+def test_a_seeded_generate_is_reproducible_and_leaves_the_global_stream_alone(tiny):
+    _, task, _, tok, model = tiny
+    engine = _engine(tok)
+    engine.sync(model)
+    ids = [tok(p.text, add_special_tokens=False).input_ids for p in task.eval_prompts()[:4]]
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    tokens = [[c.token_ids for c in g] for g in engine.generate(ids, n=4, seed=11)]
+    assert torch.equal(torch.get_rng_state(), before)  # the trainer's stream did not move
+    assert tokens == [[c.token_ids for c in g] for g in engine.generate(ids, n=4, seed=11)]
+    assert tokens != [[c.token_ids for c in g] for g in engine.generate(ids, n=4, seed=12)]
+
+
+def test_sampler_seeds_differ_by_rank_phase_and_step():
+    seeds = {
+        sampler_seed(0, "rollout", 3, rank=0),
+        sampler_seed(0, "rollout", 3, rank=1),  # each rank its own samples
+        sampler_seed(0, "rollout", 4, rank=0),
+        sampler_seed(0, "validation", 3, rank=0),
+        sampler_seed(1, "rollout", 3, rank=0),
+    }
+    assert len(seeds) == 5
+    assert sampler_seed(0, "rollout", 3, rank=1) == sampler_seed(0, "rollout", 3, rank=1)  # a pure function
 
 
 def test_greedy_equals_argmax_and_cut_at_eos(tiny):
@@ -122,7 +148,7 @@ def test_reward_failures_are_unscorable_and_counted():
     assert failures == 4
     assert rewards[0, 0] == 1.0 and rewards[1, 1] == 1.0
     assert torch.isnan(rewards[[0, 0, 1, 1], [1, 2, 0, 2]]).all()
-    assert parts["rollout/reward_exact"] == 1.0
+    assert torch.equal(parts["exact"].isnan(), rewards.isnan()) and parts["exact"].nansum() == 2.0
     adv = estimators.get("rloo")(rewards)
     assert not adv.isnan().any() and adv[0, 0] == 0 and adv[1, 1] == 0  # one scorable sample per group
 
@@ -266,8 +292,8 @@ class _OffsetSampler(HFEngine):
 
     OFFSET = 0.5
 
-    def generate(self, prompt_ids, *, n, greedy=False):
-        groups = super().generate(prompt_ids, n=n, greedy=greedy)
+    def generate(self, prompt_ids, *, n, greedy=False, seed=None):
+        groups = super().generate(prompt_ids, n=n, greedy=greedy, seed=seed)
         for group in groups:
             for c in group:
                 c.logprobs = [lp + self.OFFSET for lp in c.logprobs]

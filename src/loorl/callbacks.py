@@ -10,6 +10,8 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 
+from loorl.fsdp import full_state_dict, is_sharded, unwrapped_class
+
 PLOTTED = ("rollout/reward", "val/accuracy")
 
 
@@ -141,16 +143,22 @@ class RunSummary(L.Callback):
 
 
 class HFExport(L.Callback):
-    """Saves the trained policy and its tokenizer with `save_pretrained` at the end of `fit`."""
+    """Saves the trained policy and its tokenizer with `save_pretrained` at the end of `fit`: one full
+    model, written by rank 0 (under FSDP every rank takes part in gathering it first)."""
 
     def __init__(self, output_dir: str, tokenizer) -> None:
         self.output_dir = Path(output_dir)
         self.tokenizer = tokenizer
 
-    @rank_zero_only
     def on_fit_end(self, trainer, pl_module) -> None:
-        pl_module.policy.save_pretrained(self.output_dir)
-        self.tokenizer.save_pretrained(self.output_dir)
+        policy = pl_module.policy
+        state = full_state_dict(policy) if is_sharded(policy) else None  # collective under FSDP
+        if trainer.is_global_zero:
+            policy.save_pretrained(self.output_dir, state_dict=state)
+            if is_sharded(policy):  # save_pretrained names the class it sees: FSDP's subclass
+                policy.config.architectures = [unwrapped_class(policy).__name__]
+                policy.config.save_pretrained(self.output_dir)
+            self.tokenizer.save_pretrained(self.output_dir)
 
 
 class EngineSync(L.Callback):
@@ -177,3 +185,6 @@ class EngineSync(L.Callback):
 
     def on_validation_start(self, trainer, pl_module) -> None:
         self._sync(trainer, pl_module)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        self.engine.sleep()  # after all validation batches (a rollout sleeps when it is collected)

@@ -10,6 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
 from loorl import estimators
+from loorl.distributed import check_world_divides
 from loorl.errors import ConfigError
 from loorl.models import check_model_reachable
 from loorl.rollout.factory import VLLM_INSTALL_HINT, cuda_available, resolve_engine, vllm_installed
@@ -104,18 +105,77 @@ def check_config(cfg: DictConfig) -> Settings:
             f"rl.samples_per_prompt={k} is too small for estimator={s.estimator.name}: its baseline needs "
             f"K >= {k_min} samples per prompt; set rl.samples_per_prompt={k_min} or more"
         )
-    strategy = cfg.trainer.strategy
-    if strategy != "auto":
-        name = strategy.get("_target_", strategy) if isinstance(strategy, DictConfig) else strategy
-        raise ConfigError(
-            f"trainer.strategy={name} composes but multi-process training is not implemented yet "
-            "(roadmap: scale-out); use strategy=auto"
-        )
     check_optimizer(cfg.optimizer)
     check_rewards(cfg)
     check_model_reachable(cfg.model)
     check_vllm_can_run(s)
+    check_parallel(cfg, s)
     return s
+
+
+STRATEGY_KINDS = {
+    "lightning.pytorch.strategies.DDPStrategy": "ddp",
+    "loorl.strategies.FSDPStrategy": "fsdp",
+}
+
+
+def strategy_kind(cfg: DictConfig) -> str:
+    """auto | ddp | fsdp, or the strategy's own name (a Lightning registry name, a class path)."""
+    strategy = cfg.trainer.strategy
+    if isinstance(strategy, DictConfig):
+        target = strategy.get("_target_", "")
+        return STRATEGY_KINDS.get(target, target)
+    return str(strategy)
+
+
+def check_parallel(cfg: DictConfig, s: Settings) -> None:
+    """Multi-process settings: a strategy loorl supports, whole groups per rank, shardable models."""
+    kind, devices = strategy_kind(cfg), cfg.trainer.devices
+    nodes = int(cfg.trainer.get("num_nodes", 1) or 1)
+    if kind not in ("auto", "ddp", "fsdp"):
+        raise ConfigError(f"trainer.strategy={kind} is not supported: use strategy=ddp or strategy=fsdp")
+    if kind == "auto":
+        if devices not in (1, "1", "auto") or nodes != 1:
+            raise ConfigError(
+                f"trainer.devices={devices} trainer.num_nodes={nodes} with strategy=auto: several processes "
+                "need a data-parallel strategy; add strategy=ddp or strategy=fsdp"
+            )
+        return
+    if isinstance(devices, int) or str(devices).isdigit():  # "auto" / -1: known once launched (checked then)
+        world = int(devices) * nodes
+        try:
+            check_world_divides(
+                s.rl.prompts_per_step, s.rl.prompts_per_minibatch, world,
+                f"trainer.devices={devices} x trainer.num_nodes={nodes}",
+            )  # fmt: skip
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+    engine, _ = resolve_engine(s.rollout.engine)
+    if engine == "vllm" and s.rollout.vllm is not None and s.rollout.vllm.tensor_parallel_size > 1:
+        raise ConfigError(
+            f"rollout.vllm.tensor_parallel_size={s.rollout.vllm.tensor_parallel_size} with strategy={kind}: "
+            "each rank runs its own colocated vLLM engine with the full weights; set "
+            "rollout.vllm.tensor_parallel_size=1"
+        )
+    if kind == "fsdp" and not cfg.trainer.strategy.get("layer_classes"):
+        cls = causal_lm_class(s.model)
+        if not getattr(cls, "_no_split_modules", None):
+            raise ConfigError(
+                f"strategy=fsdp cannot find the layers of {cls.__name__} to shard (it names no decoder-layer "
+                "class in _no_split_modules): set strategy.layer_classes=[<its decoder-layer class name>]"
+            )
+
+
+def causal_lm_class(model: ModelSettings) -> type:
+    """The transformers class the policy will be, from its config alone (no weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if model.name_or_path is None:
+        from transformers import Qwen2ForCausalLM
+
+        return Qwen2ForCausalLM  # the tiny model (models._tiny_policy)
+    config = AutoConfig.from_pretrained(model.name_or_path)
+    return AutoModelForCausalLM._model_mapping[type(config)]
 
 
 def check_optimizer(optimizer_cfg: DictConfig) -> None:

@@ -36,6 +36,10 @@ def quiet_library_output() -> None:
         category=FutureWarning,
         module=r"lightning\.pytorch\.utilities\._pytree",
     )
+    # Under DDP/FSDP Lightning suggests `sync_dist=True` for every epoch-level metric. loorl's metrics
+    # are reduced before they are logged (sums and counts over ranks, `loorl.distributed`), so they
+    # are the same on every rank; Lightning's sync would average them once more per metric.
+    warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\('(rollout|train|perf)/")
 
 
 class ProgressLines(L.Callback):

@@ -7,10 +7,11 @@ and never reach a loss, because they are dropped with `torch.where`, not multipl
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
+from loorl.distributed import all_reduce
 from loorl.errors import ConfigError
 from loorl.masked import masked_mean
 from loorl.rollout.batch import RolloutBatch
@@ -223,6 +224,20 @@ class LossStats:
         values = {f.name: add(getattr(self, f.name), getattr(other, f.name)) for f in fields(self)}
         values["log_ratio_max"] = max(self.log_ratio_max, other.log_ratio_max)
         return LossStats(**values)
+
+    def across_ranks(self) -> LossStats:
+        """The stats of the whole step over all data-parallel ranks: sums (each rank's loss is already
+        normalised by the global counts, so the losses add up to the global loss), the maximum of
+        `log_ratio_max`; `steps` and `grad_norm` are the same on every rank (the gradient is
+        all-reduced before it is clipped) and stay as they are."""
+        names = ("loss", "tokens", "entropy", "clipped", "log_ratio", "tis_weight", "kl")
+        summed = [f for f in names if getattr(self, f) is not None]
+        totals = all_reduce([getattr(self, f) for f in summed]).tolist()
+        return replace(
+            self,
+            **dict(zip(summed, totals)),
+            log_ratio_max=float(all_reduce(self.log_ratio_max, "max")),
+        )
 
     def as_metrics(self) -> dict[str, float]:
         tokens, steps = max(self.tokens, 1.0), max(self.steps, 1)

@@ -262,9 +262,10 @@ class FrozenReference:
 
     def completion_logprobs(self, batch, *, device: torch.device, **score) -> torch.Tensor:
         """log ref(y_t | ...) [N, C] of the batch's completions (see `logprobs.completion_logprobs`)."""
+        from loorl.fsdp import is_sharded
         from loorl.logprobs import completion_logprobs
 
         target = torch.device("cpu") if self.offload else torch.device(device)
-        if next(self.model.parameters()).device != target:
-            self.model.to(target)
+        if not is_sharded(self.model) and next(self.model.parameters()).device != target:
+            self.model.to(target)  # (a sharded reference stays where FSDP placed it)
         return completion_logprobs(self.model, batch.to(target), **score).to(device)  # [N, C]

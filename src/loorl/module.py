@@ -27,6 +27,7 @@ import torch
 from torchmetrics import MeanMetric
 
 from loorl import estimators
+from loorl.distributed import all_reduce, gather_rows, rank_and_world
 from loorl.logprobs import completion_logits, completion_logprobs, token_entropy, token_logprobs
 from loorl.losses import AdaptiveKLController, FixedKLController, LossStats, policy_loss, sequence_kl
 from loorl.models import FrozenReference, load_causal_lm
@@ -37,16 +38,19 @@ from loorl.settings import EstimatorSettings, KLSettings, LossSettings, ModelSet
 log = logging.getLogger(__name__)
 
 
-def minibatch_groups(rl: RLSettings, *, seed: int, step: int) -> list[list[int]]:
-    """The groups of each optimizer step of RL step `step`: every group once per pass, shuffled per
-    pass by a generator seeded with (seed, step), so a resumed run takes the same mini-batches."""
+def minibatch_groups(rl: RLSettings, *, seed: int, step: int, world_size: int = 1) -> list[list[int]]:
+    """This rank's groups in each optimizer step of RL step `step`, as indices into its own B/W groups.
+
+    Every group once per pass, shuffled per pass by a generator seeded with (seed, step), so a
+    resumed run takes the same mini-batches. With W ranks each takes M/W of its own groups into
+    every mini-batch: the global mini-batch is M whole groups, and no group crosses ranks.
+    """
+    groups, per_step = rl.prompts_per_step // world_size, rl.prompts_per_minibatch // world_size
     gen = torch.Generator().manual_seed(int(np.random.default_rng([seed, step, 1]).integers(2**62)))
     out = []
     for _ in range(rl.epochs_per_rollout):
-        order = torch.randperm(rl.prompts_per_step, generator=gen).tolist()
-        out += [
-            order[i : i + rl.prompts_per_minibatch] for i in range(0, len(order), rl.prompts_per_minibatch)
-        ]
+        order = torch.randperm(groups, generator=gen).tolist()
+        out += [order[i : i + per_step] for i in range(0, len(order), per_step)]
     return out
 
 
@@ -97,9 +101,17 @@ class PolicyGradientModule(L.LightningModule):
         self.policy.train()  # from_pretrained returns eval mode; gradient checkpointing needs train mode
         if m.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
+        strategy = self.trainer.strategy if self._trainer is not None else None
+        shard = getattr(strategy, "shard", None)  # strategy=fsdp (loorl.strategies.FSDPStrategy)
+        if shard is not None:
+            shard(self.policy)
         if self.kl.needs_reference:
             frozen = load_causal_lm(self.model_path, dtype=m.ref_dtype, trainable=False, **load)
-            self.reference = FrozenReference(frozen, offload=m.ref_offload)
+            if shard is not None and strategy.shard_reference:
+                offload = m.ref_offload or strategy.offload_params  # FSDP's CPU offload, not moves
+                self.reference = FrozenReference(shard(frozen, offload=offload), offload=False)
+            else:
+                self.reference = FrozenReference(frozen, offload=m.ref_offload)
 
     def configure_optimizers(self):
         params = [p for p in self.trainer.model.parameters() if p.requires_grad]
@@ -118,29 +130,37 @@ class PolicyGradientModule(L.LightningModule):
         if off_policy or (self.reference is not None and not self.sampler_logprobs_exact):
             policy_logprobs = completion_logprobs(self.policy, batch, **score)  # [N, C]
         batch = replace(batch, old_logprobs=policy_logprobs if off_policy else None)
-        shaped, metrics = batch.rewards, {}  # [N] the reward the estimator sees
+        # The estimators see the whole step: every rank's rows, gathered in rank order (whitening and
+        # the KL controller then match one process on all B groups); this rank keeps its own rows.
+        rank, world = rank_and_world()
+        shaped, metrics = gather_rows(batch.rewards), {}  # [W*N] the reward the estimator sees
         if self.reference is not None:
             ref = self.reference.completion_logprobs(batch, device=self.device, **score)  # [N, C]
             logp = batch.sampler_logprobs if policy_logprobs is None else policy_logprobs  # [N, C]
             kl_seq = sequence_kl(logp, ref, batch.completion_mask, estimator=self.kl.estimator)  # [N]
+            kl_seq = gather_rows(kl_seq)  # [W*N]
             metrics = {"rollout/kl": float(kl_seq.mean()), "rollout/kl_coef": self.kl_controller.value}
             if self.kl.in_reward:
-                shaped = shaped - self.kl_controller.value * kl_seq  # [N]
+                shaped = shaped - self.kl_controller.value * kl_seq  # [W*N]
             self.kl_controller.update(metrics["rollout/kl"], n_steps=len(kl_seq))
             batch = replace(batch, ref_logprobs=ref)
         advantages = estimators.compute_advantages(
             self.estimator.name, shaped.view(-1, batch.group_size), whiten=self.estimator.whiten
-        ).reshape(-1)  # [N]
+        ).reshape(-1)  # [W*N]
         metrics["rollout/advantage_abs_mean"] = float(advantages.abs().mean())
-        return replace(batch, advantages=advantages), metrics
+        return replace(batch, advantages=advantages.view(world, -1)[rank]), metrics  # [N] this rank's
 
     # ---- training ------------------------------------------------------------------------------
     def training_step(self, rollout: Rollout, batch_idx: int) -> torch.Tensor:
-        """One RL iteration's updates: one optimizer step per mini-batch of whole groups."""
+        """One RL iteration's updates: one optimizer step per mini-batch of whole groups.
+
+        With W data-parallel ranks, `rollout` holds this rank's B/W groups; each global mini-batch
+        is M/W groups from every rank (`minibatch_groups`), normalised by the global counts."""
         batch, rollout_metrics = self.prepare(rollout.batch)
         t0 = time.perf_counter()
         opt, stats = self.optimizers(), LossStats()
-        for groups in minibatch_groups(self.rl, seed=self.seed, step=rollout.step):
+        world = rank_and_world()[1]
+        for groups in minibatch_groups(self.rl, seed=self.seed, step=rollout.step, world_size=world):
             stats += self.accumulate_gradients(batch.select_groups(groups), self.manual_backward)
             opt.step()  # clips in on_before_optimizer_step, after a 16-mixed loss scaler unscaled
             opt.zero_grad(set_to_none=True)
@@ -148,14 +168,17 @@ class PolicyGradientModule(L.LightningModule):
         if self._grad_norms:
             stats += LossStats(grad_norm=sum(self._grad_norms))
             self._grad_norms.clear()
+        stats = stats.across_ranks()
         rewards = batch.rewards
-        self.reward_mean.update(rewards[~rewards.isnan()])
+        self.reward_mean.update(rewards[~rewards.isnan()])  # synced over ranks (sums and counts) on compute
         metrics = {**rollout.stats, **rollout_metrics, **stats.as_metrics()}
-        metrics["perf/train_tokens_per_s"] = float(batch.attention_mask.sum()) * (
-            self.rl.epochs_per_rollout / (time.perf_counter() - t0)
-        )
+        seconds = float(all_reduce(time.perf_counter() - t0, "max"))
+        tokens = float(all_reduce(batch.attention_mask.sum()))  # all ranks'
+        metrics["perf/train_tokens_per_s"] = tokens * self.rl.epochs_per_rollout / seconds
         loss = metrics.pop("train/loss")
-        # the progress bar's two headline numbers, then everything else
+        # Every metric is already the whole step's (reduced above, or by the DataModule), identical on
+        # all ranks: logged without Lightning's sync_dist, which would average per-rank values.
+        # The progress bar's two headline numbers, then everything else.
         self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True, batch_size=1)
         self.log(
             "rollout/reward", self.reward_mean, on_step=False, on_epoch=True, prog_bar=True, batch_size=1
@@ -164,9 +187,15 @@ class PolicyGradientModule(L.LightningModule):
         return torch.tensor(loss)
 
     def accumulate_gradients(self, batch: RolloutBatch, backward) -> LossStats:
-        """Backward over a mini-batch in micro-batches of whole groups; returns the summed stats."""
+        """Backward over a mini-batch in micro-batches of whole groups; returns the summed stats.
+
+        The loss is normalised by the token and sequence counts of the global mini-batch (summed
+        over ranks) and its backward scaled by the world size W: DDP and FSDP average gradients
+        over ranks, so the update is that of one process on the whole mini-batch."""
         mask = batch.completion_mask  # [N, C]
-        counts = {"num_tokens": max(float(mask.sum()), 1.0), "num_seqs": mask.shape[0]}
+        counts = all_reduce([mask.sum(), mask.shape[0]]).tolist()
+        counts = {"num_tokens": max(counts[0], 1.0), "num_seqs": int(counts[1])}
+        world = rank_and_world()[1]
         kl_coef = self.kl_controller.value if self.reference is not None and not self.kl.in_reward else None
         truncation = self.sampling.truncation  # the sampler's temperature, top-k, top-p
         stats = LossStats()
@@ -181,7 +210,7 @@ class PolicyGradientModule(L.LightningModule):
                 kl_estimator=self.kl.estimator,
                 **counts,
             )
-            backward(loss)
+            backward(loss * world if world > 1 else loss)
             with torch.no_grad():
                 entropy = token_entropy(logits.detach(), tokens=sub.completion_ids, **truncation)  # [n, C]
             stats += micro + LossStats(entropy=float((entropy * sub.completion_mask).sum()))
@@ -191,9 +220,10 @@ class PolicyGradientModule(L.LightningModule):
         """Gradient-norm clipping, where Lightning has already unscaled fp16 gradients."""
         if self.loss_settings.max_grad_norm:
             params = [p for p in self.policy.parameters() if p.grad is not None]
-            self._grad_norms.append(
-                float(torch.nn.utils.clip_grad_norm_(params, self.loss_settings.max_grad_norm))
-            )
+            # Under DDP the gradient is already all-reduced; under FSDP the grads are DTensor shards
+            # and torch computes the norm of the full gradient (a collective), returned as a DTensor.
+            norm = torch.nn.utils.clip_grad_norm_(params, self.loss_settings.max_grad_norm)
+            self._grad_norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
 
     # ---- held-out evaluation -------------------------------------------------------------------
     def validation_step(self, results: dict[str, torch.Tensor | None], batch_idx: int) -> None:

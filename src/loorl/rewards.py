@@ -48,7 +48,7 @@ class Graded:
     rewards: torch.Tensor  # [B, K] the combined reward; NaN = unscorable
     correct: torch.Tensor  # [B, K] 1.0 where the task's verifier says correct
     unscorable: int  # samples whose combined reward is NaN
-    parts: dict[str, float]  # each function's mean reward, `rollout/reward_<name>`
+    parts: dict[str, torch.Tensor]  # [B, K] each function's reward (NaN = unscorable) by its name
 
 
 def grade(task: Task, prompts: Sequence[Prompt], completions: Sequence[str]):
@@ -132,7 +132,7 @@ class RewardComposer:
 
     def __call__(self, prompts: Sequence[Prompt], texts: Sequence[Sequence[str]]) -> Graded:
         """Rewards [B, K] (NaN = unscorable), correctness [B, K], the unscorable count and each
-        function's mean. The task's verifier runs once per sample, for the reward and correctness."""
+        function's rewards [B, K]. The task's verifier runs once per sample, for both."""
         k = len(texts[0])
         flat_prompts, flat_texts = _flatten(prompts, texts)
         verdicts = grade(self.task, flat_prompts, flat_texts) if self.task is not None else None
@@ -157,7 +157,7 @@ class RewardComposer:
                     len(v),
                     error,
                 )
-            parts[f"rollout/reward_{wr.name}"] = float(v[~v.isnan()].mean()) if bad < len(v) else float("nan")
+            parts[wr.name] = v.float().view(len(prompts), k)  # [B, K]
             total += wr.weight * v
         if self.clip is not None:
             total = total.clamp(*self.clip)  # NaN stays NaN

@@ -1,38 +1,55 @@
-"""Strategy factories that YAML cannot express directly."""
+"""The `strategy=fsdp` strategy: FSDP2 (torch's `fully_shard`) on Lightning's ModelParallelStrategy.
+
+Why this and not Lightning's `FSDPStrategy`: that one wraps with FSDP1 and refuses
+`accelerator="cpu"`, so it could not be run or tested on a CPU machine. `ModelParallelStrategy`
+initialises the process group (gloo on CPU, NCCL on GPU), builds a device mesh, launches processes
+(its own launcher, torchrun or SLURM), saves distributed checkpoints and restores them, and leaves
+the sharding to the LightningModule's `configure_model`. This subclass fixes the mesh to pure data
+parallelism (every rank one data-parallel shard, no tensor parallelism) and carries the sharding
+settings, which `PolicyGradientModule.configure_model` applies through `shard`.
+"""
 
 from __future__ import annotations
 
-import importlib
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 
-def import_class(path: str) -> type:
-    module, _, name = path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
+class FSDPStrategy(ModelParallelStrategy):
+    def __init__(
+        self,
+        *,
+        layer_classes: list[str] | None = None,
+        reshard_after_forward: bool = True,
+        offload_params: bool = False,
+        shard_reference: bool = True,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+    ) -> None:
+        super().__init__(
+            data_parallel_size="auto",
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+        )
+        self.layer_classes = list(layer_classes) if layer_classes else None
+        self.reshard_after_forward = reshard_after_forward
+        self.offload_params = offload_params
+        self.shard_reference = shard_reference
 
+    def setup_environment(self) -> None:
+        # every process a data-parallel rank (the parent's "auto" would mean one per node)
+        self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
 
-def fsdp_strategy(
-    *,
-    layer_classes: list[str],
-    sharding_strategy: str = "FULL_SHARD",
-    cpu_offload: bool = False,
-    state_dict_type: str = "sharded",
-):
-    """Lightning's FSDPStrategy with `auto_wrap_policy` as the Python set of layer classes it wants.
+    def shard(self, model, *, offload: bool | None = None):
+        """Shard `model` over all ranks (decoder layers one by one, then the root); `offload`
+        overrides `offload_params` (the frozen reference follows `model.ref_offload` too)."""
+        from loorl.fsdp import layer_class_names, shard
 
-    Classes that cannot be imported (another architecture's module) are skipped.
-    """
-    from lightning.pytorch.strategies import FSDPStrategy
-
-    classes = set()
-    for path in layer_classes:
-        try:
-            classes.add(import_class(path))
-        except (ImportError, AttributeError):
-            continue
-    return FSDPStrategy(
-        auto_wrap_policy=classes,
-        activation_checkpointing_policy=None,
-        sharding_strategy=sharding_strategy,
-        cpu_offload=cpu_offload,
-        state_dict_type=state_dict_type,
-    )
+        return shard(
+            model,
+            mesh=self.device_mesh["data_parallel"],
+            layer_classes=layer_class_names(type(model), self.layer_classes),
+            reshard_after_forward=self.reshard_after_forward,
+            offload=self.offload_params if offload is None else offload,
+        )

@@ -10,6 +10,7 @@ from pathlib import Path
 import lightning as L
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
 from loorl.callbacks import EngineSync, HFExport, RunSummary
@@ -96,7 +97,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     s = check_config(cfg)
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
+    if rank_zero_only.rank == 0:  # one copy from a multi-process run (Lightning reads the rank from the env)
+        OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
     L.seed_everything(s.run.seed, workers=True, verbose=False)
 
     task = instantiate_unwrapped(cfg.task)

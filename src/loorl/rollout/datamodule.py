@@ -14,11 +14,21 @@ synced the engine.
 from __future__ import annotations
 
 import time
+import zlib
 
 import lightning as L
+import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from loorl.distributed import (
+    all_reduce,
+    check_world_divides,
+    gather_rows,
+    is_distributed,
+    rank_and_world,
+    rank_block,
+)
 from loorl.errors import ConfigError
 from loorl.masked import masked_std
 from loorl.rewards import TASK_VERIFIER, Graded, RewardComposer, WeightedReward, correctness
@@ -29,14 +39,14 @@ from loorl.tasks.base import Prompt, Task
 
 
 def rollout_stats(
-    graded: Graded, groups: list[list[Completion]], finished: torch.Tensor, gen_seconds: float
+    graded: Graded, lengths: torch.Tensor, finished: torch.Tensor, gen_seconds: float
 ) -> dict[str, float]:
     """The environment's statistics of a rollout (the reward mean is logged by the learner).
-    `finished` [B, K]: the completions that ended with EOS."""
+    `lengths` [B, K]: completion lengths; `finished` [B, K]: the completions that ended with EOS."""
     rewards = graded.rewards  # [B, K]
     scorable = ~rewards.isnan()  # [B, K]
-    lengths = torch.tensor([[len(c.token_ids) for c in g] for g in groups], dtype=torch.float)  # [B, K]
     group_std = masked_std(rewards, scorable, dim=-1)  # [B] 0 with < 2 scorable
+    parts = {f"rollout/reward_{name}": float(v.nanmean()) for name, v in graded.parts.items()}
     return {
         "rollout/reward_std": float(masked_std(rewards, scorable)),
         "rollout/accuracy": float(graded.correct.mean()),
@@ -46,8 +56,31 @@ def rollout_stats(
         "rollout/unscorable": float(graded.unscorable),
         "perf/gen_tokens_per_s": float(lengths.sum()) / max(gen_seconds, 1e-9),
         "perf/gen_seconds": gen_seconds,
-        **(graded.parts if len(graded.parts) > 1 else {}),
+        **(parts if len(parts) > 1 else {}),
     }
+
+
+def gather_graded(
+    graded: Graded, lengths: torch.Tensor, finished: torch.Tensor
+) -> tuple[Graded, torch.Tensor, torch.Tensor]:
+    """The whole step's grades, lengths and EOS flags (every rank's groups, in rank order), so that its
+    statistics are those of all B groups, not means of per-rank statistics. One all-gather."""
+    if not is_distributed():
+        return graded, lengths, finished
+    names = list(graded.parts)
+    columns = [graded.rewards, graded.correct.float(), lengths.float(), finished.float()]
+    every = gather_rows(torch.stack(columns + [graded.parts[n] for n in names], dim=-1))  # [W*B, K, F]
+    rewards, correct, lengths, finished = every[..., 0], every[..., 1], every[..., 2], every[..., 3].bool()
+    parts = {n: every[..., 4 + i] for i, n in enumerate(names)}
+    return Graded(rewards, correct, int(rewards.isnan().sum()), parts), lengths, finished
+
+
+def sampler_seed(run_seed: int, *phase: str | int, rank: int = 0) -> int:
+    """The sampler's seed for one generation call: a pure function of the run's seed, the phase
+    (rollout or validation, with its step and batch) and the rank, so every rank draws its own
+    samples and a resumed run draws the ones the interrupted run would have."""
+    key = [run_seed, *(zlib.crc32(p.encode()) if isinstance(p, str) else p for p in phase), rank]
+    return int(np.random.default_rng(key).integers(2**62))
 
 
 def _own_generator() -> torch.Generator:
@@ -85,15 +118,27 @@ class RolloutDataModule(L.LightningDataModule):
             )
         return ids
 
+    def sampling_seed(self, *phase: str | int) -> int:
+        return sampler_seed(self.seed, *phase, rank=rank_and_world()[0])
+
     def prompts_for_step(self, step: int) -> list[Prompt]:
-        """The step's prompts, a pure function of (seed, step): a resumed run draws the same ones."""
-        return self.task.prompts_for_step(step, self.rl.prompts_per_step, seed=self.seed)
+        """This rank's prompts of the step, a pure function of (seed, step): a resumed run draws the
+        same ones. The step draws B prompts; each of the W ranks takes its block of B/W (together
+        they are the B prompts of one process, no prompt twice, none left out)."""
+        prompts = self.task.prompts_for_step(step, self.rl.prompts_per_step, seed=self.seed)
+        return [prompts[i] for i in rank_block(len(prompts), *rank_and_world())]
 
     def setup(self, stage: str) -> None:
         if not getattr(self, "_prepared", False):
             self.task.prepare(self.tokenizer, max_prompt_length=self.settings.max_prompt_length)
             self._prepared = True
-        self.eval_prompts = self.task.eval_prompts()
+        rank, world = rank_and_world()
+        try:  # checked before launch where trainer.devices is a number; "auto" is known only now
+            check_world_divides(self.rl.prompts_per_step, self.rl.prompts_per_minibatch, world, "as launched")
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        self.eval_prompts = self.task.eval_prompts()[rank::world]  # sharded; accuracy is reduced by the
+        # learner's MeanMetric (sums and counts over ranks)
         self.encode_prompts(self.eval_prompts)  # fail early on over-long prompts
 
     def decode(self, groups: list[list[Completion]]) -> list[list[str]]:
@@ -107,7 +152,8 @@ class RolloutDataModule(L.LightningDataModule):
         prompts = self.prompts_for_step(step)
         prompt_ids = self.encode_prompts(prompts)
         t0 = time.perf_counter()
-        groups = self.engine.generate(prompt_ids, n=self.rl.samples_per_prompt)
+        seed = self.sampling_seed("rollout", step)
+        groups = self.engine.generate(prompt_ids, n=self.rl.samples_per_prompt, seed=seed)
         gen_seconds = time.perf_counter() - t0
         self.engine.sleep()
         graded = self.rewards(prompts, self.decode(groups))  # [B, K] rewards and correctness
@@ -122,7 +168,10 @@ class RolloutDataModule(L.LightningDataModule):
             rewards=rewards,
             loss_on_truncated=self.settings.truncated != "mask",
         )
-        return Rollout(step=step, batch=batch, stats=rollout_stats(graded, groups, finished, gen_seconds))
+        lengths = torch.tensor([[len(c.token_ids) for c in g] for g in groups], dtype=torch.float)  # [B, K]
+        everyone = gather_graded(graded, lengths, finished)  # the whole step's, over all ranks
+        stats = rollout_stats(*everyone, gen_seconds=float(all_reduce(gen_seconds, "max")))
+        return Rollout(step=step, batch=batch, stats=stats)
 
     def train_dataloader(self) -> DataLoader:
         """One item: this epoch's rollout, collected when the loop fetches it."""
@@ -156,7 +205,8 @@ class RolloutDataModule(L.LightningDataModule):
         greedy = self.decode(self.engine.generate(ids, n=1, greedy=True))
         results = {"correct": correctness(self.task, prompts, greedy).view(-1), "pass_k": None}  # [n]
         if self.pass_k > 0:
-            sampled = self.decode(self.engine.generate(ids, n=self.pass_k))
+            step = self.trainer.global_step if self.trainer is not None else 0
+            seed = self.sampling_seed("validation", step, prompts[0].text)  # this batch's own stream
+            sampled = self.decode(self.engine.generate(ids, n=self.pass_k, seed=seed))
             results["pass_k"] = correctness(self.task, prompts, sampled).amax(-1)  # [n]
-        self.engine.sleep()
         return results

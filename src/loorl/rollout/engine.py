@@ -64,9 +64,11 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def generate(
-        self, prompt_ids: list[list[int]], *, n: int, greedy: bool = False
+        self, prompt_ids: list[list[int]], *, n: int, greedy: bool = False, seed: int | None = None
     ) -> list[list[Completion]]:
-        """`n` completions for each prompt, as `result[prompt][sample]`."""
+        """`n` completions for each prompt, as `result[prompt][sample]`. `seed`: the sampler's random
+        stream for this call (the same seed and weights give the same samples); None: the engine's
+        own running stream."""
 
     def cut_at_eos(self, tokens: list[int], logprobs: list[float]) -> Completion:
         """The completion up to and including its first end-of-sequence id (any of them)."""

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 
 import torch
 
+from loorl.fsdp import is_sharded, reshard_after_generation, unshard_for_generation
 from loorl.padding import pad
 from loorl.rollout.engine import Completion, RolloutEngine, SamplingConfig
 
@@ -42,9 +43,21 @@ class HFEngine(RolloutEngine):
         super().__init__(sampling, **token_ids)
         self.batch_size = batch_size  # sequences per generate call (memory bound)
         self.model = None
+        self.unsharded = False
 
     def sync(self, policy, version: int | None = None, *, force: bool = False) -> None:
+        """Point at the live policy; a sharded (FSDP) one is unsharded until `sleep` (the generation
+        phase), a collective every rank reaches through `callbacks.EngineSync`."""
         self.model = policy
+        if is_sharded(policy) and not self.unsharded:
+            unshard_for_generation(policy)
+            self.unsharded = True
+
+    def sleep(self) -> None:
+        """End of a generation phase: a sharded policy goes back to its shards for training."""
+        if self.unsharded:
+            reshard_after_generation(self.model)
+            self.unsharded = False
 
     def generation_config(self, greedy: bool):
         """The whole sampler, explicitly: greedy, or temperature -> top-k -> top-p and nothing else."""
@@ -67,10 +80,20 @@ class HFEngine(RolloutEngine):
 
     @torch.no_grad()
     def generate(
-        self, prompt_ids: list[list[int]], *, n: int, greedy: bool = False
+        self, prompt_ids: list[list[int]], *, n: int, greedy: bool = False, seed: int | None = None
     ) -> list[list[Completion]]:
         if self.model is None:
             raise RuntimeError("HFEngine.generate called before sync(policy)")
+        if seed is None:
+            return self._generate(prompt_ids, n=n, greedy=greedy)
+        # transformers samples from torch's global generator: fork it, so that the seed decides
+        # this call's samples and the trainer's own random stream is left as it was
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            return self._generate(prompt_ids, n=n, greedy=greedy)
+
+    def _generate(self, prompt_ids: list[list[int]], *, n: int, greedy: bool) -> list[list[Completion]]:
         was_training = self.model.training
         self.model.eval()
         config = self.generation_config(greedy)

@@ -24,6 +24,7 @@ import os
 
 import numpy as np
 
+from loorl.fsdp import full_tensors
 from loorl.rollout.engine import Completion, RolloutEngine, SamplingConfig
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,9 @@ class VLLMEngine(RolloutEngine):
             if self.sleep_level == 2:  # the weights were discarded, not offloaded: whatever the version
                 self.synced_version = None
         if force or version is None or version != self.synced_version:
-            weights = [(name, tensor.detach()) for name, tensor in policy.state_dict().items()]
+            # one tensor at a time: under FSDP each is gathered (every rank in step) just before
+            # vLLM copies it, so no second full copy of the model is ever resident
+            weights = full_tensors(policy)
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
             self.llm.reset_prefix_cache()
             self.synced_version = version
@@ -103,7 +106,7 @@ class VLLMEngine(RolloutEngine):
             self.asleep = True
 
     def generate(
-        self, prompt_ids: list[list[int]], *, n: int, greedy: bool = False
+        self, prompt_ids: list[list[int]], *, n: int, greedy: bool = False, seed: int | None = None
     ) -> list[list[Completion]]:
         if self.llm is None:
             raise RuntimeError("VLLMEngine.generate called before sync(policy)")
@@ -111,7 +114,8 @@ class VLLMEngine(RolloutEngine):
         from vllm.inputs import TokensPrompt
 
         s = self.sampling
-        seeds = np.random.default_rng([self.seed, self.calls]).integers(0, 2**31 - 1, size=len(prompt_ids))
+        stream = [self.seed, self.calls] if seed is None else [seed]
+        seeds = np.random.default_rng(stream).integers(0, 2**31 - 1, size=len(prompt_ids))  # per prompt
         self.calls += 1
         params = [
             SamplingParams(

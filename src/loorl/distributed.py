@@ -1,0 +1,75 @@
+"""Data parallelism over whole prompt groups: what a rank owns, and the cross-rank reductions.
+
+Each of the W ranks (processes) owns a contiguous block of B/W whole prompt groups of every RL step:
+it generates, grades and trains on them. Whatever needs the whole step (advantages whitened over
+the batch, loss normalisers, logged statistics) is gathered or reduced with torch.distributed,
+which Lightning's strategy has initialised (gloo on CPU, NCCL on GPU). In one process every
+function here is the identity, so single-process runs take no distributed code path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def is_distributed() -> bool:
+    """More than one rank. (vLLM initialises a one-rank process group of its own: not distributed.)"""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank_and_world() -> tuple[int, int]:
+    return (dist.get_rank(), dist.get_world_size()) if is_distributed() else (0, 1)
+
+
+def rank_block(n: int, rank: int, world: int) -> range:
+    """The indices rank `rank` of `world` owns of n items: a contiguous block of n / world. Blocks of
+    consecutive ranks follow each other, so together they cover 0..n-1 once, in order."""
+    if n % world:
+        raise ValueError(f"{n} items do not split evenly over {world} ranks")
+    size = n // world
+    return range(rank * size, (rank + 1) * size)
+
+
+def _device(t: torch.Tensor) -> torch.device:
+    """The device a collective needs its tensors on: NCCL wants CUDA, gloo CPU (or CUDA)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return t.device
+
+
+def gather_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [n, ...] of every rank (equal n), concatenated in rank order: [W * n, ...]."""
+    if not is_distributed():
+        return x
+    local = x.detach().contiguous().to(_device(x))
+    out = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, local)
+    return torch.cat(out).to(x.device)
+
+
+_OPS = {"sum": "SUM", "max": "MAX", "min": "MIN"}
+
+
+def all_reduce(values: torch.Tensor | float, op: str = "sum") -> torch.Tensor:
+    """The sum (max, min) over ranks of a tensor or number; a float64 CPU tensor."""
+    x = torch.as_tensor(values, dtype=torch.float64)
+    if not is_distributed():
+        return x
+    y = x.to(_device(x))
+    dist.all_reduce(y, op=getattr(dist.ReduceOp, _OPS[op]))
+    return y.cpu()
+
+
+def check_world_divides(prompts_per_step: int, prompts_per_minibatch: int, world: int, where: str) -> None:
+    """Every rank must get whole groups: B/W per step and M/W per mini-batch (a ValueError naming the
+    settings and the fix; `where` says how W was set)."""
+    for key, n in (
+        ("rl.prompts_per_step", prompts_per_step),
+        ("rl.prompts_per_minibatch", prompts_per_minibatch),
+    ):
+        if n % world:
+            raise ValueError(
+                f"{key}={n} does not split into whole prompt groups over {world} processes ({where}): "
+                f"set {key} to a multiple of {world}"
+            )

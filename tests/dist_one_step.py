@@ -1,0 +1,149 @@
+"""One RL step of the real learner on a fixed global rollout batch, under `strategy` with W processes.
+
+Run by tests/test_distributed.py, with `torchrun --standalone --nproc_per_node=W` for W > 1 (Lightning
+sees torchrun's environment and launches nothing itself) or plain `python` for the 1-process
+reference. Every process builds the same global batch (B groups, seeded); rank r trains on its block
+of B/W whole groups, exactly as the DataModule hands it over. Rank 0 writes the updated full
+parameters, the per-rank group ids and the step's logged metrics to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from loorl.config import check_config, compose_config
+from loorl.console import quiet_library_output
+from loorl.distributed import rank_and_world, rank_block
+from loorl.fsdp import full_state_dict, is_sharded
+from loorl.models import load_causal_lm, load_tokenizer, resolve_model_path
+from loorl.rewards import Graded
+from loorl.rollout.batch import Rollout, assemble
+from loorl.rollout.datamodule import gather_graded, rollout_stats
+from loorl.rollout.engine import Completion
+from loorl.train import build_datamodule, build_module, instantiate_unwrapped
+
+GROUPS, K = 8, 4
+
+
+def global_rollout(vocab: int, pad: int, eos: int) -> Rollout:
+    """B groups of K completions of random lengths (some cut short), with 0/1 rewards and a NaN."""
+    gen = torch.Generator().manual_seed(1234)
+    lengths = torch.randint(3, 7, (GROUPS,), generator=gen).tolist()
+    prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+    groups = []
+    for _ in range(GROUPS):
+        group = []
+        for _ in range(K):
+            n = int(torch.randint(1, 9, (1,), generator=gen))
+            tokens = torch.randint(3, vocab, (n,), generator=gen).tolist()
+            finished = bool(torch.rand(1, generator=gen) < 0.7)
+            tokens = tokens + [eos] if finished else tokens
+            logprobs = (-torch.rand(len(tokens), generator=gen) * 3).tolist()
+            group.append(Completion(token_ids=tokens, logprobs=logprobs, finished=finished))
+        groups.append(group)
+    rewards = (torch.rand(GROUPS, K, generator=gen) < 0.5).float()  # [B, K]
+    rewards[2, 1] = float("nan")  # one unscorable sample
+    batch = assemble(prompts, groups, pad_token_id=pad, rewards=rewards)
+    return Rollout(step=0, batch=batch, stats={})
+
+
+class FixedRollout(L.LightningDataModule):
+    def __init__(self, rollout: Rollout) -> None:
+        super().__init__()
+        self.rollout = rollout
+
+    def train_dataloader(self):
+        rank, world = rank_and_world()
+        mine = list(rank_block(self.rollout.batch.num_groups, rank, world))
+        own = Rollout(step=0, batch=self.rollout.batch.select_groups(mine), stats={})
+        self.groups = mine
+        return DataLoader([own], batch_size=None, collate_fn=lambda x: x)
+
+
+def environment_stats(rollout: Rollout, mine: list[int]) -> dict[str, float]:
+    """The DataModule's statistics of the step, from this rank's groups of the global rollout."""
+    rewards = rollout.batch.rewards.view(GROUPS, K)[mine]  # [b, K]
+    mask = rollout.batch.completion_mask.view(GROUPS, K, -1)[mine]  # [b, K, C]
+    lengths, finished = mask.sum(-1), mask[..., -1] == 0  # [b, K], [b, K]
+    parts = {"exact": rewards, "format": torch.where(rewards.isnan(), rewards, 0.5 + rewards / 4)}
+    graded = Graded(rewards, (rewards == 1).float(), int(rewards.isnan().sum()), parts)
+    return rollout_stats(*gather_graded(graded, lengths, finished), gen_seconds=1.0)
+
+
+def gather_objects(obj) -> list:
+    """[obj of rank 0, obj of rank 1, ...]"""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return [obj]
+    out = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--strategy", default="auto")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model-cache", required=True)
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    quiet_library_output()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = compose_config(
+        "debug=quick",
+        f"output_dir={os.path.dirname(args.out)}/run",
+        f"model.cache_dir={args.model_cache}",
+        f"strategy={args.strategy}",
+        f"trainer.devices={world}",
+        f"rl.prompts_per_step={GROUPS}",
+        f"rl.prompts_per_minibatch={GROUPS}",
+        f"rl.samples_per_prompt={K}",
+        "rl.prompts_per_microbatch=1",  # several micro-batches per rank: accumulation is exercised
+        *args.overrides,
+    )
+    s = check_config(cfg)
+    L.seed_everything(0, verbose=False)
+    task = instantiate_unwrapped(cfg.task)
+    model_path = resolve_model_path(cfg.model, cfg.task, task)
+    tok = load_tokenizer(model_path)
+    module = build_module(cfg, model_path, s)
+    rollout = global_rollout(len(tok), tok.pad_token_id, tok.eos_token_id)
+    data = FixedRollout(rollout)
+    metrics = {}
+
+    class Record(L.Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=world,
+        strategy=instantiate_unwrapped(cfg.trainer.strategy) if args.strategy != "auto" else "auto",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Record()],
+    )
+    initial = load_causal_lm(model_path, dtype="float32").state_dict()
+    trainer.fit(module, datamodule=data)
+    state = full_state_dict(module.policy)  # a collective under FSDP: every rank
+    # the real DataModule's prompts for a step on this rank
+    prompts = [p.text for p in build_datamodule(cfg, task, tok, model_path, s).prompts_for_step(3)]
+    groups, prompts = gather_objects(data.groups), gather_objects(prompts)
+    stats = environment_stats(rollout, data.groups)
+    if trainer.is_global_zero:
+        out = {"state": {k: v.float() for k, v in state.items()}, "initial": initial, "groups": groups}
+        out |= {"metrics": metrics, "prompts": prompts, "sharded": is_sharded(module.policy)}
+        out["kl_coef"] = module.kl_controller.value
+        out["rollout_stats"] = stats
+        torch.save(out, args.out)
+
+
+if __name__ == "__main__":
+    main()
