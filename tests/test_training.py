@@ -143,8 +143,9 @@ def test_resume_from_checkpoint_continues_the_step_count(quick_cfg, tmp_path):
     ckpt = tmp_path / "first" / "checkpoints" / "last.ckpt"
     summary = train(quick_cfg(f"output_dir={tmp_path}/second", "rl.steps=4", f"resume_from={ckpt}"))
     assert summary["rl_steps"] == 4 and summary["optimizer_steps"] == 4
-    steps = [s for s, _ in _history(tmp_path / "second")["rollout/reward"]]
-    assert steps == [2, 3]
+    first, second = _history(tmp_path / "first"), _history(tmp_path / "second")
+    assert [s for s, _ in second["rollout/reward"]] == [0, 1, 2, 3]  # the whole run, not its tail
+    assert second["rollout/reward"][:2] == first["rollout/reward"]  # restored from the checkpoint
 
 
 def test_cli_run_log_is_quiet_and_useful(model_cache, tmp_path):

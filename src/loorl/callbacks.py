@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -11,6 +14,8 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 
 from loorl.fsdp import full_state_dict, is_sharded, unwrapped_class
+
+log = logging.getLogger("loorl")
 
 PLOTTED = ("rollout/reward", "val/accuracy")
 
@@ -40,6 +45,14 @@ class RunSummary(L.Callback):
         self.history: dict[str, list[tuple[int, float]]] = {}
         self.started = time.perf_counter()
         self.summary_text = ""
+
+    # in every checkpoint: a resumed run's summary, plot and wall time cover the whole run
+    def state_dict(self) -> dict:
+        return {"history": self.history, "elapsed": time.perf_counter() - self.started}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.history = {k: [tuple(p) for p in v] for k, v in state["history"].items()}
+        self.started = time.perf_counter() - state["elapsed"]
 
     def _record(self, key: str, step: int, value) -> None:
         self.history.setdefault(key, []).append((step, float(value)))
@@ -188,3 +201,51 @@ class EngineSync(L.Callback):
 
     def on_validation_end(self, trainer, pl_module) -> None:
         self.engine.sleep()  # after all validation batches (a rollout sleeps when it is collected)
+
+
+class GracefulStop(L.Callback):
+    """SIGTERM (a scheduler's preemption notice) or a first Ctrl-C: finish the RL step under way, write
+    `last.ckpt` and stop; the end of `fit` then writes the summary, plot and export as usual. A second
+    Ctrl-C interrupts at once. Under several processes a signal on any rank stops all of them at the
+    same step.
+
+    Lightning's own SIGTERM handling stops after the running batch, before the step's end-of-epoch
+    work (validation, checkpoint); the handlers here replace it during training and are restored
+    afterwards.
+    """
+
+    def __init__(self, checkpoint: Path) -> None:
+        self.checkpoint = Path(checkpoint)
+        self.requested: str | None = None
+        self.saved_handlers: dict = {}
+
+    def _request(self, signum, frame) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # the second Ctrl-C: now
+        self.requested = signal.Signals(signum).name
+        log.warning("%s: finishing this RL step, then checkpoint and stop (Ctrl-C again to stop now)",
+                    self.requested)  # fmt: skip
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals reach only the main thread
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.saved_handlers[sig] = signal.signal(sig, self._request)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        stop = trainer.strategy.reduce_boolean_decision(self.requested is not None, all=False)
+        if stop and not trainer.should_stop:
+            trainer.save_checkpoint(self.checkpoint)
+            log.warning("stopped after RL step %d: %s written", trainer.current_epoch + 1, self.checkpoint)
+            trainer.should_stop = True
+
+    def _restore(self) -> None:
+        for sig, handler in self.saved_handlers.items():
+            signal.signal(sig, handler)
+        self.saved_handlers.clear()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._restore()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self._restore()

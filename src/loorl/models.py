@@ -219,6 +219,14 @@ def _hub_unreachable_reason() -> str | None:
     return None
 
 
+def model_identity(model_cfg: DictConfig, task_cfg: DictConfig) -> str:
+    """Names the policy's starting weights without loading them: the hub name or local path, or the
+    tiny model's cache folder (a hash of its settings and the task it was warm-started on)."""
+    if model_cfg.name_or_path is not None:
+        return os.path.expanduser(model_cfg.name_or_path)
+    return tiny_model_dir(model_cfg, task_cfg).name
+
+
 def resolve_model_path(model_cfg: DictConfig, task_cfg: DictConfig, task: Task) -> str:
     if model_cfg.name_or_path is not None:
         return os.path.expanduser(model_cfg.name_or_path)

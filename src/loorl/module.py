@@ -27,6 +27,7 @@ import torch
 from torchmetrics import MeanMetric
 
 from loorl import estimators
+from loorl.checkpoints import IDENTITY_KEY
 from loorl.distributed import all_reduce, gather_rows, rank_and_world
 from loorl.logprobs import completion_logits, completion_logprobs, token_entropy, token_logprobs
 from loorl.losses import AdaptiveKLController, FixedKLController, LossStats, policy_loss, sequence_kl
@@ -68,11 +69,13 @@ class PolicyGradientModule(L.LightningModule):
         sampling: SamplingConfig,  # the trainer scores the sampler's distribution (temperature, top-k/p)
         seed: int = 0,
         sampler_logprobs_exact: bool = True,  # the sampler's log-probs are the trainer's (HF, float32)
+        identity: dict | None = None,  # checkpoints.run_identity: kept in every checkpoint
     ) -> None:
         super().__init__()
         self.model_path, self.model_settings, self.optimizer_factory = model_path, model, optimizer
         self.rl, self.loss_settings, self.kl, self.estimator = rl, loss, kl, estimator
         self.sampling, self.seed, self.sampler_logprobs_exact = sampling, seed, sampler_logprobs_exact
+        self.identity = identity
         self.kl_controller = (
             AdaptiveKLController(kl.coef, kl.target, kl.horizon)
             if kl.adaptive
@@ -238,6 +241,8 @@ class PolicyGradientModule(L.LightningModule):
     # ---- checkpoints ---------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["kl_controller"] = self.kl_controller.state_dict()
+        if self.identity is not None:
+            checkpoint[IDENTITY_KEY] = self.identity  # checked before a resume loads anything
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if "kl_controller" in checkpoint:

@@ -72,10 +72,11 @@ class RunSettings(Section):
     """The top-level keys of train.yaml."""
 
     seed: int = 0  # seeds Python, NumPy, torch and the prompt stream (0 is a real seed)
-    resume_from: str | None = None
+    resume_from: str | None = None  # a checkpoint path, "auto" (the newest under output_dir) or None
     val_every: PositiveInt = 10
     val_pass_k: NonNegativeInt = 4  # 0: off
     checkpoint_every: NonNegativeInt = 50  # 0: off
+    checkpoint_keep: Annotated[int, Field(ge=-1)] = 2  # the newest periodic checkpoints kept; -1: all
     export_policy: bool = True
 
 

@@ -11,7 +11,11 @@ settings, which `PolicyGradientModule.configure_model` applies through `shard`.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from lightning.pytorch.strategies import ModelParallelStrategy
+
+from loorl.checkpoints import atomic_directory
 
 
 class FSDPStrategy(ModelParallelStrategy):
@@ -40,6 +44,15 @@ class FSDPStrategy(ModelParallelStrategy):
         # every process a data-parallel rank (the parent's "auto" would mean one per node)
         self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        """A folder of shards, written beside the old one and swapped in (checkpoints.atomic_directory):
+        a kill while writing leaves the previous checkpoint loadable."""
+        if not self._save_distributed_checkpoint:  # one file, through the (atomic) checkpoint IO
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        target = Path(self.broadcast(str(filepath)))
+        with atomic_directory(target, is_writer=self.global_rank == 0, barrier=self.barrier) as tmp:
+            super().save_checkpoint(checkpoint, tmp, storage_options)
 
     def shard(self, model, *, offload: bool | None = None):
         """Shard `model` over all ranks (decoder layers one by one, then the root); `offload`

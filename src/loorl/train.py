@@ -13,11 +13,19 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-from loorl.callbacks import EngineSync, HFExport, RunSummary
-from loorl.config import Settings, check_config, load_settings
+from loorl.callbacks import EngineSync, GracefulStop, HFExport, RunSummary
+from loorl.checkpoints import (
+    AtomicCheckpointIO,
+    previous_metrics_rows,
+    read_checkpoint,
+    replay_metrics_rows,
+    resolve_resume,
+    run_identity,
+)
+from loorl.config import Settings, check_config, load_settings, strategy_kind
 from loorl.console import ProgressLines, quiet_library_output
 from loorl.errors import ConfigError
-from loorl.models import load_tokenizer, resolve_model_path
+from loorl.models import load_tokenizer, model_identity, resolve_model_path
 from loorl.module import PolicyGradientModule
 from loorl.rewards import build_composer
 from loorl.rollout.datamodule import RolloutDataModule
@@ -61,6 +69,7 @@ def build_module(cfg: DictConfig, model_path: str, s: Settings | None = None) ->
         seed=s.run.seed,
         # the HF engine samples with the trainer's own forward pass; vLLM or bf16 differ slightly
         sampler_logprobs_exact=resolve_engine(s.rollout.engine)[0] == "hf" and s.model.dtype == "float32",
+        identity=run_identity_of(cfg),
     )
 
 
@@ -92,10 +101,18 @@ def instantiate_unwrapped(node):
         raise
 
 
+def run_identity_of(cfg: DictConfig) -> dict:
+    return run_identity(cfg, model=model_identity(cfg.model, cfg.task), strategy=strategy_kind(cfg))
+
+
 def train(cfg: DictConfig) -> dict[str, float]:
-    """Check the config, build everything, validate once (step 0), train, write the outputs."""
+    """Check the config, build everything, validate once (step 0), train, write the outputs.
+
+    Resuming (`resume_from`: a checkpoint, or `auto` for the newest under `output_dir`) skips the
+    step-0 validation, whose result is in the checkpoint with the rest of the run's history."""
     s = check_config(cfg)
     output_dir = Path(cfg.output_dir)
+    resume = resolve_resume(s.run.resume_from, output_dir, run_identity_of(cfg))  # checked, before loading
     output_dir.mkdir(parents=True, exist_ok=True)
     if rank_zero_only.rank == 0:  # one copy from a multi-process run (Lightning reads the rank from the env)
         OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
@@ -106,17 +123,24 @@ def train(cfg: DictConfig) -> dict[str, float]:
     tokenizer = load_tokenizer(model_path)
     datamodule = build_datamodule(cfg, task, tokenizer, model_path, s)
     module = build_module(cfg, model_path, s)
+    checkpoints = output_dir / "checkpoints"
 
     summary = RunSummary(
         str(output_dir),
         title=f"{s.estimator.name} on {cfg.task.name} ({s.model.name})",
         pass_k=s.run.val_pass_k,
     )
-    callbacks = [EngineSync(datamodule.engine), summary]
+    callbacks = [EngineSync(datamodule.engine), summary, GracefulStop(checkpoints / "last.ckpt")]
     if s.run.checkpoint_every:
         callbacks.append(
             ModelCheckpoint(
-                dirpath=output_dir / "checkpoints", every_n_epochs=s.run.checkpoint_every, save_last=True
+                dirpath=checkpoints,
+                every_n_epochs=s.run.checkpoint_every,
+                save_last=True,
+                monitor="step",  # keep the newest `checkpoint_keep` (ModelCheckpoint's top-k by step)
+                mode="max",
+                save_top_k=s.run.checkpoint_keep,
+                save_on_train_epoch_end=True,  # after the step's validation and RunSummary's record of it
             )
         )
     if s.run.export_policy:
@@ -125,19 +149,24 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if progress_bar and not sys.stdout.isatty():  # CI, nohup: occasional lines instead of redraws
         callbacks.append(ProgressLines(s.rl.steps))
         progress_bar = False
+    earlier_rows = []  # the interrupted run's CSV rows up to its checkpoint (a new CSV logger replaces them)
+    if resume is not None and rank_zero_only.rank == 0:
+        earlier_rows = previous_metrics_rows(resume, last_epoch=int(read_checkpoint(resume)["epoch"]))
     loggers = [instantiate(c) for c in (cfg.logger or {}).values()]
+    replay_metrics_rows(loggers, earlier_rows)
     trainer = instantiate(
         cfg.trainer,
         logger=loggers or False,
         callbacks=callbacks,
         precision=trainer_precision(cfg),
         enable_progress_bar=progress_bar,
+        plugins=[AtomicCheckpointIO()],
     )
-    if s.run.resume_from:
-        log.info("resuming from %s", s.run.resume_from)
-
-    trainer.validate(module, datamodule=datamodule, verbose=False)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=s.run.resume_from)
+    if resume is None:
+        trainer.validate(module, datamodule=datamodule, verbose=False)
+    else:
+        log.info("resuming from %s", resume)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
     return summary.summary(trainer)
 
 

@@ -1,0 +1,246 @@
+"""Exact resume: a run killed with SIGKILL and resumed, or stopped with SIGTERM and re-submitted, is
+the run it replaces; checkpoints survive a kill while they are written; bad checkpoints fail in one
+line before any model loads.
+
+The runs are real CLI processes (`python src/train.py`), killed with real signals.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from loorl.checkpoints import AtomicCheckpointIO, atomic_directory, complete_checkpoints, read_checkpoint
+from loorl.errors import ConfigError
+from loorl.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = ["rl.steps=30", "checkpoint_every=10", "val_every=5"]  # the issue's experiment, on the quick profile
+
+
+def _command(run: Path, model_cache: Path, *overrides: str) -> list[str]:
+    cmd = [sys.executable, str(ROOT / "src" / "train.py"), "debug=quick", f"model.cache_dir={model_cache}"]
+    return cmd + [*STEPS, f"hydra.run.dir={run}", *overrides]
+
+
+def _env() -> dict:
+    return dict(os.environ, PYTHONPATH=str(ROOT / "src"), TOKENIZERS_PARALLELISM="false")
+
+
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def _start_and_signal(cmd: list[str], wait_for: Path, sig: int, delay: float = 0.3) -> subprocess.Popen:
+    """Start the run; once `wait_for` exists (and `delay` later), send `sig`; wait for the end."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 600
+    while not wait_for.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    time.sleep(delay)
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+    proc.send_signal(sig)
+    proc.wait(timeout=600)
+    return proc
+
+
+def metric_values(run: Path) -> dict[tuple[str, str], list[str]]:
+    """Every non-timing value of `csv/metrics.csv`, keyed by (metric, epoch), as the CSV wrote it."""
+    out: dict[tuple[str, str], list[str]] = {}
+    with (run / "csv" / "metrics.csv").open(newline="") as f:
+        for row in csv.DictReader(f):
+            for key, value in row.items():
+                if value != "" and key not in ("epoch", "step") and not key.startswith("perf/"):
+                    out.setdefault((key, row["epoch"]), []).append(value)
+    return out
+
+
+def history(run: Path) -> dict:
+    h = json.loads((run / "metrics.json").read_text())["history"]
+    return {k: v for k, v in h.items() if not k.startswith("perf/")}
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    values_a, values_b = metric_values(a), metric_values(b)
+    assert set(values_a) == set(values_b)
+    differing = [(k, values_a[k], values_b[k]) for k in values_a if values_a[k] != values_b[k]]
+    assert not differing, differing[:5]  # exactly equal, as written
+    assert history(a) == history(b)  # the summary's history (and so its plot) covers the whole run
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, model_cache) -> Path:
+    run = tmp_path_factory.mktemp("uninterrupted") / "run"
+    _run(_command(run, model_cache))
+    return run
+
+
+# ---- kill -9, then resume ------------------------------------------------------------------------
+def test_a_run_killed_after_a_checkpoint_resumes_to_the_same_run(uninterrupted, tmp_path, model_cache):
+    run = tmp_path / "run"
+    killed = _start_and_signal(
+        _command(run, model_cache), run / "checkpoints" / "epoch=19-step=20.ckpt", signal.SIGKILL
+    )
+    assert killed.returncode == -signal.SIGKILL
+    _run(_command(run, model_cache, "resume_from=auto"))  # the newest complete checkpoint: step 20
+    assert_same_run(uninterrupted, run)
+    # checkpoint_keep=2: the two newest periodic checkpoints stay, besides last.ckpt
+    names = sorted(p.name for p in (uninterrupted / "checkpoints").iterdir())
+    assert names == ["epoch=19-step=20.ckpt", "epoch=29-step=30.ckpt", "last.ckpt"]
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_a_vllm_run_killed_after_a_checkpoint_resumes_to_the_same_run(tmp_path, model_cache):
+    pytest.importorskip("vllm")
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    _run(_command(straight, model_cache, "rollout=vllm"))
+    killed = _start_and_signal(
+        _command(run, model_cache, "rollout=vllm"),
+        run / "checkpoints" / "epoch=19-step=20.ckpt",
+        signal.SIGKILL,
+    )
+    assert killed.returncode == -signal.SIGKILL
+    _run(_command(run, model_cache, "rollout=vllm", "resume_from=auto"))
+    assert_same_run(straight, run)
+
+
+# ---- SIGTERM or Ctrl-C: checkpoint, summary, then the same command continues ----------------------
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_a_stop_signal_writes_a_checkpoint_and_summary_and_the_same_command_continues(
+    uninterrupted, tmp_path, model_cache, sig
+):
+    run = tmp_path / "run"
+    command = _command(run, model_cache, "resume_from=auto")  # the command a preempted job re-submits
+    stopped = _start_and_signal(command, run / "checkpoints" / "epoch=9-step=10.ckpt", sig)
+    assert stopped.returncode == 0
+    steps_done = json.loads((run / "metrics.json").read_text())["summary"]["rl_steps"]
+    assert 10 <= steps_done < 30 and (run / "summary.md").exists()
+    assert read_checkpoint(run / "checkpoints" / "last.ckpt")["global_step"] == steps_done
+    _run(command)
+    assert_same_run(uninterrupted, run)
+
+
+# ---- a kill while a checkpoint is written ----------------------------------------------------------
+KILL_MID_WRITE = """
+import os, signal, sys, torch
+from lightning.fabric.plugins.io import torch_io
+from loorl.checkpoints import AtomicCheckpointIO
+
+path = sys.argv[1]
+io = AtomicCheckpointIO()
+io.save_checkpoint({"global_step": 1, "state_dict": {"w": torch.ones(3)}}, path)
+
+def dies_half_way(checkpoint, filepath, storage_options=None):  # the injected fault
+    with open(filepath, "wb") as f:
+        f.write(b"PK\\x03\\x04 half a checkpoint")
+        f.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+torch_io._atomic_save = dies_half_way
+io.save_checkpoint({"global_step": 2, "state_dict": {"w": torch.zeros(3)}}, path)
+"""
+
+
+def test_a_kill_while_a_checkpoint_is_written_leaves_the_previous_one(tmp_path):
+    path = tmp_path / "checkpoints" / "last.ckpt"
+    proc = subprocess.run([sys.executable, "-c", KILL_MID_WRITE, str(path)], env=_env(), timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    state = read_checkpoint(path)
+    assert state["global_step"] == 1 and torch.equal(state["state_dict"]["w"], torch.ones(3))
+    assert [p.name for p in path.parent.iterdir() if p.name.endswith(".tmp")]  # the half-written one
+    assert complete_checkpoints(tmp_path) == [(1, path)]  # which the finder passes over
+
+
+def test_atomic_checkpoint_io_replaces_a_file(tmp_path):
+    path = tmp_path / "last.ckpt"
+    for step in (1, 2):
+        AtomicCheckpointIO().save_checkpoint({"global_step": step, "state_dict": {}}, path)
+    assert read_checkpoint(path)["global_step"] == 2 and len(list(tmp_path.iterdir())) == 1
+
+
+def test_a_sharded_checkpoint_is_swapped_in_whole_or_not_at_all(tmp_path):
+    target = tmp_path / "checkpoints" / "last.ckpt"
+    for step in (1, 2):
+        with atomic_directory(target, is_writer=True, barrier=lambda: None) as tmp:
+            torch.save({"global_step": step, "state_dict": {}}, tmp / "meta.pt")
+    with pytest.raises(RuntimeError), atomic_directory(target, is_writer=True, barrier=lambda: None) as tmp:
+        torch.save({"global_step": 3, "state_dict": {}}, tmp / "meta.pt")
+        raise RuntimeError("killed while the shards are written")
+    assert read_checkpoint(target)["global_step"] == 2
+    assert complete_checkpoints(tmp_path) == [(2, target)]
+
+
+# ---- bad input: one line before any model loads ----------------------------------------------------
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, quick_config) -> Path:
+    run = tmp_path_factory.mktemp("ckpt") / "run"
+    train(quick_config("rl.steps=2", "checkpoint_every=2", "export_policy=false", output_dir=run))
+    return run / "checkpoints" / "last.ckpt"
+
+
+def _error(quick_cfg, *overrides: str) -> str:
+    with pytest.raises(ConfigError) as err:
+        train(quick_cfg(*overrides))
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+def test_resume_from_a_missing_file(quick_cfg, tmp_path):
+    message = _error(quick_cfg, f"resume_from={tmp_path}/nope.ckpt")
+    assert "does not exist" in message and "resume_from=auto" in message
+
+
+@pytest.mark.parametrize("content", [b"not a checkpoint", "torch"], ids=["text", "other-torch-file"])
+def test_resume_from_a_file_that_is_not_a_checkpoint(quick_cfg, tmp_path, content):
+    bad = tmp_path / "bad.ckpt"
+    if content == "torch":
+        torch.save({"weights": torch.ones(2)}, bad)
+    else:
+        bad.write_bytes(content)
+    message = _error(quick_cfg, f"resume_from={bad}")
+    assert f"resume_from={bad} is not a Lightning checkpoint" in message
+
+
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("model.tiny.warm_start.steps=120", "model"),  # another tiny model (another cache key)
+        ("optimizer._target_=torch.optim.Adam", "optimizer"),  # AdamW's state would load into Adam
+        ("strategy=fsdp", "format"),
+    ],
+)
+def test_resume_from_a_checkpoint_of_another_model_or_optimizer(quick_cfg, checkpoint, override, named):
+    message = _error(quick_cfg, override, f"resume_from={checkpoint}")
+    assert f"was written with {named}" in message and "this run has" in message
+
+
+def test_resume_auto_needs_an_existing_output_dir(quick_config, tmp_path):
+    with pytest.raises(ConfigError, match="resume_from=auto looks for checkpoints under output_dir="):
+        train(quick_config("resume_from=auto", output_dir=tmp_path / "missing"))
+
+
+def test_a_changed_run_setting_is_named_but_resumes(quick_cfg, checkpoint, caplog):
+    summary = train(quick_cfg("rl.steps=3", "seed=5", f"resume_from={checkpoint}", "export_policy=false"))
+    assert summary["rl_steps"] == 3
+    assert "seed 0 -> 5" in caplog.text
+
+
+def test_cli_prints_one_error_line_and_exits_2(tmp_path, model_cache):
+    cmd = [sys.executable, str(ROOT / "src" / "train.py"), "debug=quick", f"model.cache_dir={model_cache}"]
+    cmd += [f"hydra.run.dir={tmp_path / 'run'}", f"resume_from={tmp_path / 'nope.ckpt'}"]
+    done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stdout.strip().splitlines()[-1].startswith(f"error: resume_from={tmp_path / 'nope.ckpt'}")
