@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import tempfile
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -85,6 +86,8 @@ def read_checkpoint(path: Path) -> dict:
         if not meta.is_file():
             raise ValueError(f"a folder without {SHARDED_METADATA}")
         return torch.load(meta, map_location="cpu", weights_only=False)
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive; a truncated one is not one
+        raise ValueError("not a complete torch.save file")
     try:
         state = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     except Exception as err:  # noqa: BLE001 - truncated zip, pickle garbage, not a torch file at all
