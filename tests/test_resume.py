@@ -101,18 +101,21 @@ def test_a_run_killed_after_a_checkpoint_resumes_to_the_same_run(uninterrupted, 
 
 
 @pytest.mark.slow
-@pytest.mark.vllm
-def test_a_vllm_run_killed_after_a_checkpoint_resumes_to_the_same_run(tmp_path, model_cache):
-    pytest.importorskip("vllm")
+@pytest.mark.parametrize(
+    "overrides",
+    [("rollout=vllm",), ("strategy=fsdp", "trainer.devices=2")],
+    ids=["vllm", "fsdp-2-processes"],
+)
+def test_other_engines_and_strategies_resume_to_the_same_run(tmp_path, model_cache, overrides):
+    """vLLM's per-prompt seeds, FSDP's folders of shards: the same exactness as the HF engine."""
+    if "rollout=vllm" in overrides:
+        pytest.importorskip("vllm")
     straight, run = tmp_path / "straight", tmp_path / "run"
-    _run(_command(straight, model_cache, "rollout=vllm"))
-    killed = _start_and_signal(
-        _command(run, model_cache, "rollout=vllm"),
-        run / "checkpoints" / "epoch=19-step=20.ckpt",
-        signal.SIGKILL,
-    )
+    _run(_command(straight, model_cache, *overrides))
+    first = run / "checkpoints" / "epoch=19-step=20.ckpt"
+    killed = _start_and_signal(_command(run, model_cache, *overrides), first, signal.SIGKILL)
     assert killed.returncode == -signal.SIGKILL
-    _run(_command(run, model_cache, "rollout=vllm", "resume_from=auto"))
+    _run(_command(run, model_cache, *overrides, "resume_from=auto"))
     assert_same_run(straight, run)
 
 
