@@ -24,6 +24,7 @@ import tempfile
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
@@ -137,7 +138,12 @@ def run_identity(cfg, *, model: str, strategy: str) -> dict:
     }
 
 
-def resolve_resume(resume_from: str | None, output_dir: Path, identity: dict) -> Path | None:
+class Resume(NamedTuple):
+    path: Path  # the checkpoint to load
+    epoch: int  # the last epoch it holds (the interrupted run's CSV rows are kept up to it)
+
+
+def resolve_resume(resume_from: str | None, output_dir: Path, identity: dict) -> Resume | None:
     """The checkpoint to resume from, checked; None to start fresh. ConfigError on bad input."""
     if resume_from is None:
         return None
@@ -168,7 +174,7 @@ def resolve_resume(resume_from: str | None, output_dir: Path, identity: dict) ->
             "loorl run (<run>/checkpoints/last.ckpt)"
         ) from None
     check_identity(path, state.get(IDENTITY_KEY), identity)
-    return path
+    return Resume(path, int(state["epoch"]))
 
 
 def check_identity(path: Path, saved: dict | None, current: dict) -> None:

@@ -142,14 +142,8 @@ def check_parallel(cfg: DictConfig, s: Settings) -> None:
             )
         return
     if isinstance(devices, int) or str(devices).isdigit():  # "auto" / -1: known once launched (checked then)
-        world = int(devices) * nodes
-        try:
-            check_world_divides(
-                s.rl.prompts_per_step, s.rl.prompts_per_minibatch, world,
-                f"trainer.devices={devices} x trainer.num_nodes={nodes}",
-            )  # fmt: skip
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
+        world, where = int(devices) * nodes, f"trainer.devices={devices} x trainer.num_nodes={nodes}"
+        check_world_divides(s.rl.prompts_per_step, s.rl.prompts_per_minibatch, world, where)
     engine, _ = resolve_engine(s.rollout.engine)
     if engine == "vllm" and s.rollout.vllm is not None and s.rollout.vllm.tensor_parallel_size > 1:
         raise ConfigError(

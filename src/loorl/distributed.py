@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from loorl.errors import ConfigError
+
 
 def is_distributed() -> bool:
     """More than one rank. (vLLM initialises a one-rank process group of its own: not distributed.)"""
@@ -62,14 +64,14 @@ def all_reduce(values: torch.Tensor | float, op: str = "sum") -> torch.Tensor:
 
 
 def check_world_divides(prompts_per_step: int, prompts_per_minibatch: int, world: int, where: str) -> None:
-    """Every rank must get whole groups: B/W per step and M/W per mini-batch (a ValueError naming the
+    """Every rank must get whole groups: B/W per step and M/W per mini-batch (a ConfigError naming the
     settings and the fix; `where` says how W was set)."""
     for key, n in (
         ("rl.prompts_per_step", prompts_per_step),
         ("rl.prompts_per_minibatch", prompts_per_minibatch),
     ):
         if n % world:
-            raise ValueError(
+            raise ConfigError(
                 f"{key}={n} does not split into whole prompt groups over {world} processes ({where}): "
                 f"set {key} to a multiple of {world}"
             )

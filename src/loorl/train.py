@@ -17,7 +17,6 @@ from loorl.callbacks import EngineSync, GracefulStop, HFExport, RunSummary
 from loorl.checkpoints import (
     AtomicCheckpointIO,
     previous_metrics_rows,
-    read_checkpoint,
     replay_metrics_rows,
     resolve_resume,
     run_identity,
@@ -151,7 +150,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         progress_bar = False
     earlier_rows = []  # the interrupted run's CSV rows up to its checkpoint (a new CSV logger replaces them)
     if resume is not None and rank_zero_only.rank == 0:
-        earlier_rows = previous_metrics_rows(resume, last_epoch=int(read_checkpoint(resume)["epoch"]))
+        earlier_rows = previous_metrics_rows(resume.path, last_epoch=resume.epoch)
     loggers = [instantiate(c) for c in (cfg.logger or {}).values()]
     replay_metrics_rows(loggers, earlier_rows)
     trainer = instantiate(
@@ -165,8 +164,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if resume is None:
         trainer.validate(module, datamodule=datamodule, verbose=False)
     else:
-        log.info("resuming from %s", resume)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=resume)
+        log.info("resuming from %s", resume.path)
+    trainer.fit(module, datamodule=datamodule, ckpt_path=resume.path if resume else None)
     return summary.summary(trainer)
 
 

@@ -133,10 +133,8 @@ class RolloutDataModule(L.LightningDataModule):
             self.task.prepare(self.tokenizer, max_prompt_length=self.settings.max_prompt_length)
             self._prepared = True
         rank, world = rank_and_world()
-        try:  # checked before launch where trainer.devices is a number; "auto" is known only now
-            check_world_divides(self.rl.prompts_per_step, self.rl.prompts_per_minibatch, world, "as launched")
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
+        # checked before launch where trainer.devices is a number; "auto" is known only now
+        check_world_divides(self.rl.prompts_per_step, self.rl.prompts_per_minibatch, world, "as launched")
         self.eval_prompts = self.task.eval_prompts()[rank::world]  # sharded; accuracy is reduced by the
         # learner's MeanMetric (sums and counts over ranks)
         self.encode_prompts(self.eval_prompts)  # fail early on over-long prompts
