@@ -133,15 +133,24 @@ def main() -> None:
     initial = load_causal_lm(model_path, dtype="float32").state_dict()
     trainer.fit(module, datamodule=data)
     state = full_state_dict(module.policy)  # a collective under FSDP: every rank
-    # the real DataModule's prompts for a step on this rank
-    prompts = [p.text for p in build_datamodule(cfg, task, tok, model_path, s).prompts_for_step(3)]
-    groups, prompts = gather_objects(data.groups), gather_objects(prompts)
+    # the real DataModule: its prompts for a step on this rank, and the statistics of a rollout it
+    # collects with the trained policy (each rank samples its own groups)
+    environment = build_datamodule(cfg, task, tok, model_path, s)
+    prompts = [p.text for p in environment.prompts_for_step(3)]
+    environment.setup("fit")
+    environment.engine.sync(module.policy)  # under FSDP: unsharded until the rollout's sleep
+    collected = {k: v for k, v in environment.collect(3).stats.items() if not k.startswith("perf/")}
+    groups, prompts, collected = (
+        gather_objects(data.groups),
+        gather_objects(prompts),
+        gather_objects(collected),
+    )
     stats = environment_stats(rollout, data.groups)
     if trainer.is_global_zero:
         out = {"state": {k: v.float() for k, v in state.items()}, "initial": initial, "groups": groups}
         out |= {"metrics": metrics, "prompts": prompts, "sharded": is_sharded(module.policy)}
         out["kl_coef"] = module.kl_controller.value
-        out["rollout_stats"] = stats
+        out["rollout_stats"], out["collected_stats"] = stats, collected
         torch.save(out, args.out)
 
 

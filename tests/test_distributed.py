@@ -137,6 +137,9 @@ def test_two_processes_take_the_single_process_step(tmp_path, model_cache, singl
     # the environment's statistics (reward spread, accuracy, lengths, unscorable count, each reward
     # function's mean) are those of all B groups, gathered, not means of per-rank statistics
     assert two["rollout_stats"] == pytest.approx(single["rollout_stats"], rel=1e-6)
+    # ... and the DataModule's own rollout logs them: every rank the same numbers, though each rank
+    # sampled other groups
+    assert two["collected_stats"][0] == two["collected_stats"][1]
     assert two["kl_coef"] == pytest.approx(single["kl_coef"], rel=1e-9)  # adapted to the global KL
     assert two["kl_coef"] != 0.05
     # the real DataModule draws the single process's prompts, split in rank blocks
