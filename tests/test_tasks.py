@@ -16,7 +16,7 @@ from fixtures import write_gsm8k, write_math
 from loorl.config import CONF_DIR
 from loorl.errors import ConfigError
 from loorl.models import build_char_tokenizer, ensure_tiny_model
-from loorl.train import train
+from loorl.train import instantiate_unwrapped, train
 
 REPO = CONF_DIR.parent
 # a quick RL run on the data-set tasks; completions stay short so the tests stay fast
@@ -222,3 +222,98 @@ def test_hub_model_config_runs_with_a_local_model_of_its_architecture(make_confi
     history = _history(tmp_path / "out")
     assert summary["optimizer_steps"] == 2 and "rollout/kl" in history
     assert all(math.isfinite(v) for _, v in history["train/loss"])
+
+
+# ---- chat arithmetic (task=chat_arithmetic): sums asked in the policy's chat template ----------------
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def chat_tokenizer():
+    tok = build_char_tokenizer()
+    tok.chat_template = CHATML
+    return tok
+
+
+def test_chat_arithmetic_prompts_are_rendered_with_the_chat_template(make_config):
+    cfg = make_config("task=chat_arithmetic", "task.system_prompt=Be brief.")
+    task = instantiate(cfg.task)
+    plain = task.eval_prompts()[0]
+    a, b = plain.meta["a"], plain.meta["b"]
+    assert plain.text == f"Be brief.\n\nWhat is {a} + {b}? Answer with just the number."  # no tokenizer yet
+    tok = chat_tokenizer()
+    task.prepare(tok, max_prompt_length=256)
+    p = task.eval_prompts()[0]
+    assert p.text == (
+        f"<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is {a} + {b}? "
+        "Answer with just the number.<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert p.text == tok.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": p.meta["question"]}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    assert p.answer == str(a + b)
+    rng = __import__("numpy").random.default_rng(0)
+    assert all(q.text.startswith("<|im_start|>system") for q in task.train_prompts(5, rng=rng))
+
+
+def test_chat_arithmetic_held_out_set_is_fixed_and_disjoint(make_config):
+    cfg = make_config("task=chat_arithmetic")
+    task = instantiate(cfg.task)
+    held_out = {(p.meta["a"], p.meta["b"]) for p in task.eval_prompts()}
+    assert len(held_out) == cfg.task.eval_size == 200
+    assert held_out == {(p.meta["a"], p.meta["b"]) for p in instantiate(cfg.task).eval_prompts()}
+    rng = __import__("numpy").random.default_rng(0)
+    trained = {(p.meta["a"], p.meta["b"]) for p in task.train_prompts(5000, rng=rng)}
+    assert not trained & held_out and len(trained) > 2000  # 2,300 pairs remain for training
+    narrow = instantiate(
+        make_config("task=chat_arithmetic", "task.min_operand=10", "task.max_operand=20").task
+    )
+    ops = [
+        x
+        for p in narrow.train_prompts(200, rng=rng) + narrow.eval_prompts()
+        for x in (p.meta["a"], p.meta["b"])
+    ]
+    assert min(ops) >= 10 and max(ops) <= 20
+
+
+@pytest.mark.parametrize(
+    "mode,completion,reward",
+    [
+        ("strict", "42", 1.0),
+        ("strict", "20 + 22 = 42.", 1.0),
+        ("strict", "42 is the answer", 0.0),
+        ("strict", "43", 0.0),
+        ("flexible", "42 is the answer", 1.0),
+        ("flexible", "20 + 22 = 41", 0.0),
+        ("flexible", "no number", 0.0),
+    ],
+)
+def test_chat_arithmetic_reward_reads_the_final_number(make_config, mode, completion, reward):
+    from loorl.tasks.base import Prompt
+
+    task = instantiate(make_config("task=chat_arithmetic", f"task.answer_mode={mode}").task)
+    prompt = Prompt(text="What is 20 + 22?", answer="42", meta={"a": 20, "b": 22})
+    assert task.reward(prompt, completion) == reward
+    assert task.grade(prompt, completion) == (reward, reward > 0)
+
+
+@pytest.mark.parametrize(
+    "override,named",
+    [
+        ("task.answer_mode=lenient", "task.answer_mode"),
+        ("task.question='What is {x}?'", "task.question"),
+        ("task.question='What is {a}?'", "task.question"),
+        ("rollout.max_prompt_length=20", "rollout.max_prompt_length=20"),
+    ],
+)
+def test_chat_arithmetic_bad_settings_are_one_line_errors(make_config, override, named):
+    cfg = make_config("task=chat_arithmetic", override)
+    with pytest.raises(ConfigError) as caught:
+        task = instantiate_unwrapped(cfg.task)
+        task.prepare(chat_tokenizer(), max_prompt_length=cfg.rollout.max_prompt_length)
+    assert named in str(caught.value) and "\n" not in str(caught.value)

@@ -7,6 +7,7 @@ import threading
 import pytest
 
 from loorl.tasks.verifiers import (
+    extract_final_number,
     extract_gsm8k_answer,
     gsm8k_reference,
     gsm8k_reward,
@@ -76,6 +77,38 @@ def test_extract_gsm8k_answer(text, strict, flexible):
     assert extract_gsm8k_answer(text) == strict
     assert extract_gsm8k_answer(text, mode="strict") == strict
     assert extract_gsm8k_answer(text, mode="flexible") == flexible
+
+
+# (a short chat answer, strict: the number it ends with, flexible: its last number)
+FINAL_NUMBER_CASES = [
+    ("72", "72", "72"),
+    ("  72 \n", "72", "72"),
+    ("72.", "72", "72"),
+    ("12 + 60 = 72", "72", "72"),
+    ("The answer is **72**.", "72", "72"),
+    ("The sum of 12 and 60 is 72.", "72", "72"),
+    ("72 is the sum", None, "72"),  # ends with words: strict refuses
+    ("The answer is 72!", None, "72"),
+    ("-5", "-5", "-5"),
+    ("1,234", "1234", "1234"),
+    ("7.50", "7.5", "7.5"),
+    ("24 + 48 = 100", "100", "100"),  # the wrong sum SmolLM2 writes: it is the answer either way
+    ("seventy-two", None, None),
+    ("", None, None),
+    ("x2", None, None),  # glued to a letter: not a number
+]
+
+
+@pytest.mark.parametrize("text,strict,flexible", FINAL_NUMBER_CASES)
+def test_extract_final_number(text, strict, flexible):
+    assert extract_final_number(text) == strict
+    assert extract_final_number(text, mode="strict") == strict
+    assert extract_final_number(text, mode="flexible") == flexible
+
+
+def test_extract_final_number_unknown_mode():
+    with pytest.raises(ValueError, match="answer_mode"):
+        extract_final_number("1", mode="lenient")
 
 
 def test_extract_gsm8k_unknown_mode():

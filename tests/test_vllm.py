@@ -117,3 +117,19 @@ def test_vllm_not_installed_is_one_clear_line(quick_config, tmp_path, monkeypatc
     with pytest.raises(ConfigError, match=r"rollout.engine=vllm needs the vllm package: pip install"):
         train(cfg)
     assert not (tmp_path / "cache").exists()
+
+
+def test_weights_stream_to_the_engine_in_its_dtype():
+    """float32 master weights into a bf16 engine are cast as they stream (vLLM would cast each one
+    itself, with a warning per tensor per step); integer buffers pass through."""
+    from loorl.rollout.engine import SamplingConfig
+    from loorl.rollout.vllm_engine import VLLMEngine
+
+    weights = [("w", torch.randn(3, 2)), ("steps", torch.arange(3))]
+    for dtype, want in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
+        engine = VLLMEngine(
+            SamplingConfig(max_new_tokens=4), eos_token_ids=[1], pad_token_id=0, model_path="-", dtype=dtype
+        )
+        out = dict(engine._in_engine_dtype(iter(weights)))
+        assert out["w"].dtype == want and torch.equal(out["w"], weights[0][1].to(want))
+        assert out["steps"].dtype == torch.int64

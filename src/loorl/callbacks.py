@@ -108,10 +108,15 @@ class RunSummary(L.Callback):
         rows = [
             ("RL steps (optimizer steps)", f"{s['rl_steps']} ({s['optimizer_steps']})"),
             ("held-out greedy accuracy", f"{pct(s['val_accuracy_start'])} -> {pct(s['val_accuracy_end'])}"),
-            (
-                f"held-out pass@{self.pass_k} (sampled)",
-                f"{pct(s['val_pass_at_k_start'])} -> {pct(s['val_pass_at_k_end'])}",
-            ),
+        ]
+        if self.pass_k:  # val_pass_k=0: not measured, no row
+            rows.append(
+                (
+                    f"held-out pass@{self.pass_k} (sampled)",
+                    f"{pct(s['val_pass_at_k_start'])} -> {pct(s['val_pass_at_k_end'])}",
+                )
+            )
+        rows += [
             ("reward (first -> last steps)", f"{num(s['reward_first'])} -> {num(s['reward_last'])}"),
             ("KL to reference (last step)", num(s["kl_last"], ".4f")),
             ("wall time", f"{s['wall_seconds']:.1f} s"),

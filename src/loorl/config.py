@@ -12,7 +12,7 @@ from omegaconf.errors import InterpolationResolutionError
 from loorl import estimators
 from loorl.distributed import check_world_divides
 from loorl.errors import ConfigError
-from loorl.models import check_model_reachable
+from loorl.models import check_model_reachable, pretrained_path
 from loorl.rollout.factory import VLLM_INSTALL_HINT, cuda_available, resolve_engine, vllm_installed
 from loorl.settings import (
     EstimatorSettings,
@@ -164,11 +164,12 @@ def causal_lm_class(model: ModelSettings) -> type:
     """The transformers class the policy will be, from its config alone (no weights)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    if model.name_or_path is None:
+    path = pretrained_path(model)
+    if path is None:
         from transformers import Qwen2ForCausalLM
 
         return Qwen2ForCausalLM  # the tiny model (models._tiny_policy)
-    config = AutoConfig.from_pretrained(model.name_or_path)
+    config = AutoConfig.from_pretrained(path)
     return AutoModelForCausalLM._model_mapping[type(config)]
 
 
@@ -226,11 +227,12 @@ def check_rewards(cfg: DictConfig) -> None:
 
 
 def model_head_dim(model: ModelSettings) -> int:
-    if model.name_or_path is None:
+    path = pretrained_path(model)
+    if path is None:
         return model.tiny.head_dim
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model.name_or_path)
+    config = AutoConfig.from_pretrained(path)
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 

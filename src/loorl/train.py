@@ -24,7 +24,7 @@ from loorl.checkpoints import (
 from loorl.config import Settings, check_config, load_settings, strategy_kind
 from loorl.console import ProgressLines, quiet_library_output
 from loorl.errors import ConfigError
-from loorl.models import load_tokenizer, model_identity, resolve_model_path
+from loorl.models import load_tokenizer, model_identity, model_label, resolve_model_path
 from loorl.module import PolicyGradientModule
 from loorl.rewards import build_composer
 from loorl.rollout.datamodule import RolloutDataModule
@@ -126,7 +126,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
 
     summary = RunSummary(
         str(output_dir),
-        title=f"{s.estimator.name} on {cfg.task.name} ({s.model.name})",
+        title=f"{s.estimator.name} on {cfg.task.name} ({model_label(s.model)})",
         pass_k=s.run.val_pass_k,
     )
     callbacks = [EngineSync(datamodule.engine), summary, GracefulStop(checkpoints / "last.ckpt")]

@@ -38,6 +38,8 @@ def _clean_generation_defaults(model):
 class HFEngine(RolloutEngine):
     name = "hf"
 
+    SCORES_BUDGET_BYTES = 1 << 30  # the sampler's float32 scores kept per generate call (see rows_per_call)
+
     def __init__(self, sampling: SamplingConfig, *, batch_size: int = 512, **token_ids: int | list[int]):
         """`token_ids`: the base engine's `eos_token_ids` and `pad_token_id`."""
         super().__init__(sampling, **token_ids)
@@ -59,6 +61,16 @@ class HFEngine(RolloutEngine):
             reshard_after_generation(self.model)
             self.unsharded = False
 
+    def rows_per_call(self, greedy: bool, vocab_size: int) -> int:
+        """Sequences per `generate` call: `batch_size`, and for sampling at most as many as keep
+        the per-step scores (rows x max_new_tokens x vocabulary float32, returned only at the end of
+        the call) within SCORES_BUDGET_BYTES: 512 rows of SmolLM2's 49k vocabulary over 32 tokens
+        would be 3.2 GB. Greedy calls (validation) need no scores."""
+        if greedy:
+            return self.batch_size
+        per_row = self.sampling.max_new_tokens * vocab_size * 4
+        return max(1, min(self.batch_size, self.SCORES_BUDGET_BYTES // per_row))
+
     def generation_config(self, greedy: bool):
         """The whole sampler, explicitly: greedy, or temperature -> top-k -> top-p and nothing else."""
         from transformers import GenerationConfig
@@ -74,7 +86,7 @@ class HFEngine(RolloutEngine):
             max_new_tokens=s.max_new_tokens,
             eos_token_id=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
-            output_scores=True,
+            output_scores=not greedy,  # the sampler's log-probs; greedy (validation) needs none
             return_dict_in_generate=True,
         )
 
@@ -100,8 +112,9 @@ class HFEngine(RolloutEngine):
         device = next(self.model.parameters()).device
         flat = [ids for ids in prompt_ids for _ in range(n)]  # prompt-major: rows g*n..g*n+n-1
         out: list[Completion] = []
-        for start in range(0, len(flat), self.batch_size):
-            chunk = flat[start : start + self.batch_size]
+        rows = self.rows_per_call(greedy, self.model.config.vocab_size)
+        for start in range(0, len(flat), rows):
+            chunk = flat[start : start + rows]
             ids, mask = pad(chunk, value=self.pad_token_id, side="left")  # [b, P], [b, P]
             width = ids.shape[1]
             with _clean_generation_defaults(self.model):
@@ -109,15 +122,18 @@ class HFEngine(RolloutEngine):
                     input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config
                 )
             tokens = res.sequences[:, width:]  # [b, C]
-            # scores are the processed logits the sampler drew from (temperature, top-k, top-p applied)
-            # (one step at a time: stacking them would hold a [b, C, V] float32 tensor)
-            logprobs = torch.stack(
-                [
-                    step.float().gather(-1, tokens[:, t : t + 1]).squeeze(-1) - step.float().logsumexp(-1)
-                    for t, step in enumerate(res.scores)
-                ],
-                dim=1,
-            )  # [b, C]
+            if greedy:  # log-probs of a greedy decode are not used: zeros
+                logprobs = torch.zeros(tokens.shape)  # [b, C]
+            else:
+                # scores: the processed logits the sampler drew from (temperature, top-k, top-p applied)
+                # (one step at a time: stacking them would hold another [b, C, V] float32 tensor)
+                logprobs = torch.stack(
+                    [
+                        step.float().gather(-1, tokens[:, t : t + 1]).squeeze(-1) - step.float().logsumexp(-1)
+                        for t, step in enumerate(res.scores)
+                    ],
+                    dim=1,
+                )  # [b, C]
             for t, lp in zip(tokens.tolist(), logprobs.tolist()):
                 out.append(self.cut_at_eos(t, lp))
         if was_training:

@@ -91,13 +91,22 @@ class VLLMEngine(RolloutEngine):
         if force or version is None or version != self.synced_version:
             # one tensor at a time: under FSDP each is gathered (every rank in step) just before
             # vLLM copies it, so no second full copy of the model is ever resident
-            weights = full_tensors(policy)
+            weights = self._in_engine_dtype(full_tensors(policy))
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
             self.llm.reset_prefix_cache()
             self.synced_version = version
         if self.asleep:
             self.llm.wake_up(tags=["kv_cache"])
             self.asleep = False
+
+    def _in_engine_dtype(self, weights):
+        """Float tensors cast to the engine's dtype one at a time, as they stream (float32 master
+        weights into a bfloat16 engine: vLLM would cast each too, with a warning per tensor)."""
+        from loorl.models import TORCH_DTYPES
+
+        target = TORCH_DTYPES.get(self.dtype)
+        for name, tensor in weights:
+            yield name, tensor.to(target) if target is not None and tensor.is_floating_point() else tensor
 
     def sleep(self) -> None:
         """Release the engine's accelerator memory until the next sync (GPU, `sleep_level` set)."""

@@ -48,3 +48,82 @@ class ArithmeticTask(Task):
 
     def reward(self, prompt: Prompt, completion: str) -> float | None:
         return 1.0 if completion.strip() == prompt.answer else 0.0
+
+
+class ChatArithmeticTask(ArithmeticTask):
+    """`task=chat_arithmetic`: the same sums asked as a question in the policy's chat template, for
+    instruct models: "What is 17 + 25? Answer with just the number." The reward reads the number the
+    answer ends with (`answer_mode`: strict, or flexible = the last number anywhere), so "17 + 25 = 42"
+    and "42" both count. A subclass rather than options of `task=arithmetic`: the prompt needs the
+    tokenizer (rendered in `prepare`) and the reward parses free text, where the tiny model's task
+    compares exact strings; the operand pairs and the held-out split are shared.
+    """
+
+    name = "chat_arithmetic"
+
+    def __init__(
+        self,
+        *,
+        name: str = "chat_arithmetic",
+        min_operand: int = 0,
+        max_operand: int = 49,
+        eval_size: int = 200,
+        eval_seed: int = 1234,
+        exclude_eval_from_train: bool = True,
+        max_new_tokens: int = 32,
+        question: str = "What is {a} + {b}? Answer with just the number.",
+        chat_template: bool | str = "auto",
+        system_prompt: str | None = None,
+        answer_mode: str = "strict",
+    ) -> None:
+        from loorl.errors import ConfigError
+        from loorl.tasks.verifiers import GSM8K_ANSWER_MODES
+
+        if answer_mode not in GSM8K_ANSWER_MODES:
+            raise ConfigError(
+                f"task.answer_mode={answer_mode!r} is not one of: {', '.join(GSM8K_ANSWER_MODES)}"
+            )
+        try:
+            question.format(a=1, b=2)
+            ok = "{a}" in question and "{b}" in question
+        except (KeyError, IndexError, ValueError):
+            ok = False
+        if not ok:
+            raise ConfigError(f"task.question={question!r} must name both operands, as {{a}} and {{b}}")
+        super().__init__(
+            name=name,
+            min_operand=min_operand,
+            max_operand=max_operand,
+            eval_size=eval_size,
+            eval_seed=eval_seed,
+            exclude_eval_from_train=exclude_eval_from_train,
+            max_new_tokens=max_new_tokens,
+        )
+        self.question, self.answer_mode = question, answer_mode
+        self.chat_template, self.system_prompt = chat_template, system_prompt
+        self.tokenizer = None  # set by prepare(): prompts are plain text until then
+
+    def prepare(self, tokenizer, *, max_prompt_length: int) -> None:
+        """Render with the tokenizer's chat template from now on; every prompt must fit the limit."""
+        from loorl.tasks.data import filter_by_length
+
+        self.tokenizer = tokenizer
+        widest = self._prompt(self.max_operand, self.max_operand).text
+        filter_by_length([widest], tokenizer, max_length=max_prompt_length, on_overflow="error")
+
+    def _prompt(self, a: int, b: int) -> Prompt:
+        from loorl.tasks.data import format_prompt
+
+        question = self.question.format(a=a, b=b)
+        text = format_prompt(
+            question,
+            tokenizer=self.tokenizer,
+            use_chat_template=self.chat_template if self.tokenizer is not None else False,
+            system_prompt=self.system_prompt,
+        )
+        return Prompt(text=text, answer=str(a + b), meta={"a": a, "b": b, "question": question})
+
+    def reward(self, prompt: Prompt, completion: str) -> float:
+        from loorl.tasks.verifiers import extract_final_number
+
+        return 1.0 if extract_final_number(completion, mode=self.answer_mode) == prompt.answer else 0.0

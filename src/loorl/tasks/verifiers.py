@@ -22,6 +22,7 @@ from decimal import Decimal, InvalidOperation
 
 __all__ = [
     "GSM8K_ANSWER_MODES",
+    "extract_final_number",
     "extract_gsm8k_answer",
     "gsm8k_reference",
     "gsm8k_reward",
@@ -84,6 +85,22 @@ def extract_gsm8k_answer(text: str, *, mode: str = "strict") -> str | None:
     for match in pattern.finditer(text or ""):
         last = match
     return None if last is None else _normalize_number(last.group("num"))
+
+
+_ENDING_NUMBER_RE = re.compile(_NUMBER + r"[\s.*]*\Z")  # a number, then only spaces, `.` or `*` (bold)
+
+
+def extract_final_number(text: str, *, mode: str = "strict") -> str | None:
+    """The normalised number a short answer ends with, or None.
+
+    `strict`: the text must end with the number (then at most spaces, a period or markdown bold):
+    `72`, `12 + 60 = 72.`, `The answer is **72**`. `flexible`: the last number anywhere, as GSM8K's
+    flexible mode (`72 is the sum` counts)."""
+    _check_mode(mode)
+    if mode == "flexible":
+        return extract_gsm8k_answer(text, mode="flexible")
+    match = _ENDING_NUMBER_RE.search(text or "")
+    return None if match is None else _normalize_number(match.group("num"))
 
 
 def gsm8k_reference(answer_field: str) -> str:

