@@ -115,6 +115,15 @@ def test_convert_gguf_writes_a_plain_hf_directory(tiny_gguf, tmp_path):
     assert GenerationConfig.from_pretrained(target).eos_token_id == tokenizer.eos_token_id
 
 
+def test_a_conversion_that_fails_its_check_caches_nothing(tiny_gguf, tmp_path):
+    path, _, _ = tiny_gguf
+    target = tmp_path / "cache" / "converted"
+    source = {"package": "fake-pkg", "version": "0.0.1", "file": MEMBER}
+    with pytest.raises(RuntimeError, match="differs from the GGUF-loaded model.*nothing was cached"):
+        convert_gguf(path, target, source=source, tolerance=-1.0)  # no difference passes a negative bound
+    assert not target.exists() and list(target.parent.iterdir()) == []
+
+
 def test_convert_q8_0_gguf_keeps_the_dequantized_weights(tmp_path):
     if not can_quantize_q8_0():
         pytest.skip("the installed gguf package cannot quantize to Q8_0 (gguf.quants.quantize)")
