@@ -19,12 +19,20 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from omegaconf import DictConfig, OmegaConf
 
 from loorl import estimators
-from loorl.config import CONF_DIR, check_config, check_group_choices
+from loorl.config import CONF_DIR, check_config, check_group_choices, compose_config
 from loorl.errors import ConfigError
-from loorl.settings import AGGREGATIONS, DTYPES, ENGINES, KL_ESTIMATORS, RATIO_LEVELS, TRUNCATED_MODES
+from loorl.settings import (
+    AGGREGATIONS,
+    DTYPES,
+    ENGINES,
+    KL_ESTIMATORS,
+    RATIO_LEVELS,
+    TRUNCATED_MODES,
+    EvalSettings,
+)
 from loorl.strategies import FSDPStrategy
 
-GROUPS = ["estimator", "model", "task", "rollout", "strategy", "trainer", "logger", "experiment"]
+GROUPS = ["estimator", "model", "task", "rollout", "strategy", "trainer", "logger", "experiment", "ablation"]
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))]
 # These compose but are refused by check_config by design: the hub model needs the network
 # (tests/test_config_errors.py); gsm8k and math need data.path (tests/test_tasks.py checks them
@@ -274,10 +282,11 @@ def test_logger_wandb_composes_offline(default_cfg, tmp_path):
     assert cfg.logger.wandb._target_ == "lightning.pytorch.loggers.WandbLogger"
     assert cfg.logger.wandb.offline is True
     assert cfg.logger.wandb.save_dir == str(tmp_path / "run")
+    # outside a multirun no group and no name (wandb picks one); tests/test_ablate.py checks a sweep's
+    assert cfg.logger.wandb.group is None and cfg.logger.wandb.name is None
 
 
 def test_logger_wandb_instantiates(default_cfg, monkeypatch):
-    pytest.importorskip("wandb")
     from lightning.pytorch.loggers import WandbLogger
 
     monkeypatch.setenv("WANDB_MODE", "offline")
@@ -494,3 +503,80 @@ def test_slurm_launcher_composes(tmp_path):
     assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
     assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (2, 8, 8)
     assert launcher.timeout_min > 0 and launcher.partition is None
+
+
+# ---- ablations and evaluation -----------------------------------------------------------------
+
+
+def sweep_params(tmp_path: Path, ablation: str) -> dict:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(
+            "train", overrides=[f"ablation={ablation}", f"output_dir={tmp_path}"], return_hydra_config=True
+        )
+    return {k: str(v).split(",") for k, v in cfg.hydra.sweeper.params.items()}
+
+
+def test_ablation_estimators_sweeps_every_registered_estimator_on_the_offset_task(default_cfg, tmp_path):
+    assert sorted(sweep_params(tmp_path, "estimators")["estimator"]) == estimators.names()
+    cfg = default_cfg("ablation=estimators")
+    assert cfg.task.name == "arithmetic_offset" and cfg.task.reward_offset == 1.0
+    assert cfg.export_policy is False and cfg.checkpoint_every == 0
+
+
+def test_ablation_loss_agg_sweeps_every_aggregation(tmp_path):
+    assert set(sweep_params(tmp_path, "loss_agg")["loss.agg"]) == set(AGGREGATIONS)
+
+
+@pytest.mark.parametrize("k", [2, 4, 8, 16])
+def test_ablation_k_holds_the_sample_budget(default_cfg, tmp_path, k):
+    assert sweep_params(tmp_path, "k")["rl.samples_per_prompt"] == ["2", "4", "8", "16"]
+    cfg = default_cfg("ablation=k", f"rl.samples_per_prompt={k}")
+    s = check_config(cfg)
+    assert s.rl.prompts_per_step * k == 256
+    assert s.rl.prompts_per_minibatch == s.rl.prompts_per_microbatch == s.rl.prompts_per_step
+
+
+def test_ablation_k_refuses_a_k_that_does_not_divide_the_budget(default_cfg):
+    cfg = default_cfg("ablation=k", "rl.samples_per_prompt=3")
+    with pytest.raises(Exception, match="3 does not divide 256"):
+        OmegaConf.resolve(cfg)
+
+
+@pytest.mark.parametrize(
+    ("setting", "coef", "in_reward", "estimator"),
+    [("none", 0.0, True, "k1"), ("reward_k1", 0.1, True, "k1"), ("loss_k2", 0.1, False, "k2"),
+     ("loss_k3", 0.1, False, "k3")],
+)  # fmt: skip
+def test_ablation_kl_settings_pair_placement_and_estimator(
+    default_cfg, tmp_path, setting, coef, in_reward, estimator
+):
+    assert sweep_params(tmp_path, "kl")["+ablation/kl_settings"] == [
+        "none",
+        "reward_k1",
+        "loss_k2",
+        "loss_k3",
+    ]
+    s = check_config(default_cfg("ablation=kl", f"+ablation/kl_settings={setting}"))
+    assert (s.kl.coef, s.kl.in_reward, s.kl.estimator) == (coef, in_reward, estimator)
+
+
+def test_eval_config_extends_the_training_config(tmp_path):
+    cfg = compose_config(
+        f"output_dir={tmp_path}", "policy=/some/policy", "task=arithmetic_offset", config_name="eval"
+    )
+    assert cfg.task.name == "arithmetic_offset" and cfg.policy == "/some/policy"
+    assert cfg.eval == {"split": "eval", "num_prompts": None, "samples": 8, "k": 4, "rows": -1}
+    assert cfg.kl.coef == 0.0 and cfg.logger is None and cfg.export_policy is False
+    EvalSettings.from_cfg(cfg.eval, "eval")
+    check_config(cfg)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [("eval.k=9", "eval.k=9 is more than eval.samples=8"), ("eval.split=train", "set eval.num_prompts"),
+     ("eval.split=test", "eval.split='test'"), ("eval.samples=-1", "eval.samples=-1")],
+)  # fmt: skip
+def test_eval_settings_refuse_bad_values(tmp_path, override, message):
+    cfg = compose_config(f"output_dir={tmp_path}", "policy=/p", override, config_name="eval")
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        EvalSettings.from_cfg(cfg.eval, "eval")

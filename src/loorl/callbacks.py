@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import logging
 import math
@@ -61,9 +62,9 @@ class RunSummary(L.Callback):
         if trainer.sanity_checking or "val/accuracy" not in trainer.callback_metrics:
             return
         step = validated_step(trainer)
-        for key in ("val/accuracy", "val/pass_at_k"):
-            if key in trainer.callback_metrics:
-                self._record(key, step, trainer.callback_metrics[key])
+        for key, value in trainer.callback_metrics.items():
+            if key.startswith("val/"):
+                self._record(key, step, value)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         epoch_values = {}  # a metric logged on step and epoch appears as `x`, `x_step` and `x_epoch`
@@ -96,6 +97,10 @@ class RunSummary(L.Callback):
         pass_k = self.series("val/pass_at_k")
         out["val_pass_at_k_start"] = pass_k[0] if pass_k else float("nan")
         out["val_pass_at_k_end"] = pass_k[-1] if pass_k else float("nan")
+        maj_k = self.series("val/maj_at_k")
+        out["val_maj_at_k_start"] = maj_k[0] if maj_k else float("nan")
+        out["val_maj_at_k_end"] = maj_k[-1] if maj_k else float("nan")
+        out["gen_tokens"] = sum(self.series("rollout/gen_tokens"))
         return out
 
     def markdown(self, s: dict[str, float]) -> str:
@@ -109,16 +114,18 @@ class RunSummary(L.Callback):
             ("RL steps (optimizer steps)", f"{s['rl_steps']} ({s['optimizer_steps']})"),
             ("held-out greedy accuracy", f"{pct(s['val_accuracy_start'])} -> {pct(s['val_accuracy_end'])}"),
         ]
-        if self.pass_k:  # val_pass_k=0: not measured, no row
-            rows.append(
-                (
-                    f"held-out pass@{self.pass_k} (sampled)",
-                    f"{pct(s['val_pass_at_k_start'])} -> {pct(s['val_pass_at_k_end'])}",
+        if self.pass_k:  # val_pass_k=0: not measured, no rows
+            for name, key in (("pass", "val_pass_at_k"), ("maj", "val_maj_at_k")):
+                rows.append(
+                    (
+                        f"held-out {name}@{self.pass_k} (sampled)",
+                        f"{pct(s[key + '_start'])} -> {pct(s[key + '_end'])}",
+                    )
                 )
-            )
         rows += [
             ("reward (first -> last steps)", f"{num(s['reward_first'])} -> {num(s['reward_last'])}"),
             ("KL to reference (last step)", num(s["kl_last"], ".4f")),
+            ("generated tokens", f"{s['gen_tokens']:,.0f}"),
             ("wall time", f"{s['wall_seconds']:.1f} s"),
             ("generation tokens/s", num(s["gen_tokens_per_s"], ".0f")),
             ("training tokens/s", num(s["train_tokens_per_s"], ".0f")),
@@ -158,6 +165,64 @@ class RunSummary(L.Callback):
         )
         self.plot(self.output_dir / "learning_curve.png")
         print("\n" + self.summary_text + f"\nwritten to {self.output_dir}/ (summary.md, learning_curve.png)")
+
+
+class SampleLog(L.Callback):
+    """Readable samples: at every validation, the greedy completions of the first `rows` held-out
+    prompts (all of them with `rows=-1`) go to `path` (CSV: step, prompt, completion, reward,
+    correct) and, when a wandb logger is attached, to its `samples` table (the rows so far).
+
+    Rows of a step are replaced when it is validated again (a resumed run re-validates the steps
+    after its checkpoint), so the file holds each step once. Rank 0's prompts (its shard under DDP).
+    """
+
+    COLUMNS = ("step", "prompt", "completion", "reward", "correct")
+
+    def __init__(self, path: str, rows: int = 8) -> None:
+        self.path, self.rows = Path(path), rows
+        self.pending: list[dict] = []
+
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
+        if trainer.sanity_checking or (0 <= self.rows <= len(self.pending)):
+            return
+        step = validated_step(trainer)
+        room = len(batch["prompts"]) if self.rows < 0 else self.rows - len(self.pending)
+        for i in range(min(room, len(batch["prompts"]))):
+            reward = float(batch["reward"][i])
+            self.pending.append(
+                {
+                    "step": step,
+                    "prompt": batch["prompts"][i],
+                    "completion": batch["completions"][i],
+                    "reward": None if math.isnan(reward) else reward,
+                    "correct": int(batch["correct"][i]),
+                }
+            )
+
+    @staticmethod
+    def _typed(row: dict[str, str]) -> dict:
+        """A row read back from the CSV, with the types it was written with (an empty reward: None)."""
+        reward = row["reward"]
+        return {**row, "step": int(row["step"]), "reward": float(reward) if reward else None,
+                "correct": int(row["correct"])}  # fmt: skip
+
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        rows, self.pending = self.pending, []
+        if trainer.sanity_checking or not rows or not trainer.is_global_zero:
+            return
+        kept = []
+        if self.path.is_file():
+            with self.path.open(newline="") as f:
+                kept = [self._typed(r) for r in csv.DictReader(f) if int(r["step"]) != rows[0]["step"]]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=self.COLUMNS)
+            writer.writeheader()
+            writer.writerows(kept + rows)
+        table = [[r[c] for c in self.COLUMNS] for r in kept + rows]
+        for logger in trainer.loggers:
+            if type(logger).__name__ == "WandbLogger":
+                logger.log_table(key="samples", columns=list(self.COLUMNS), data=table)
 
 
 class HFExport(L.Callback):

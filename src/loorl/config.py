@@ -9,7 +9,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
-from loorl import estimators
+from loorl import estimators, resolvers
 from loorl.distributed import check_world_divides
 from loorl.errors import ConfigError
 from loorl.models import check_model_reachable, pretrained_path
@@ -25,6 +25,7 @@ from loorl.settings import (
 )
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+resolvers.register()  # before any config under conf/ is composed or resolved
 
 
 def check_group_choices(overrides: list[str], conf_dir: Path = CONF_DIR) -> None:
@@ -256,8 +257,9 @@ def check_vllm_can_run(s: Settings) -> None:
         )
 
 
-def compose_config(*overrides: str) -> DictConfig:
-    """`conf/train.yaml` composed with command-line style overrides, without running Hydra's app.
+def compose_config(*overrides: str, config_name: str = "train") -> DictConfig:
+    """`conf/train.yaml` (or `conf/<config_name>.yaml`: `eval`) composed with command-line style
+    overrides, without running Hydra's app.
 
     For notebooks, scripts and tests: `train(compose_config("debug=quick", "output_dir=/tmp/run"))`.
     `output_dir` must be given (its default, Hydra's run dir, exists only under `@hydra.main`).
@@ -265,4 +267,4 @@ def compose_config(*overrides: str) -> DictConfig:
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose("train", overrides=list(overrides))
+        return compose(config_name, overrides=list(overrides))

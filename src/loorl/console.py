@@ -19,6 +19,40 @@ from loorl.callbacks import validated_step
 log = logging.getLogger("loorl")
 
 
+def launch(config_name: str, main) -> None:
+    """`python src/<command>.py [overrides]`: misspelt group choices are one `error:` line before Hydra
+    starts; then Hydra composes `conf/<config_name>.yaml` and calls `main(cfg)`."""
+    import sys
+
+    import hydra
+
+    from loorl.config import CONF_DIR, check_group_choices
+    from loorl.errors import ConfigError
+
+    try:
+        check_group_choices([a for a in sys.argv[1:] if not a.startswith("-")])
+    except ConfigError as err:
+        print(f"error: {err}")
+        raise SystemExit(2) from None
+    hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=config_name)(main)()
+
+
+def run_cli(fn, cfg):
+    """A command's body as the CLI runs it: quiet libraries; a bad setting prints one `error:` line and
+    exits 2 (no traceback)."""
+    import os
+
+    from loorl.errors import ConfigError
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    quiet_library_output()
+    try:
+        return fn(cfg)
+    except ConfigError as err:
+        print(f"error: {err}")
+        raise SystemExit(2) from None
+
+
 def quiet_library_output() -> None:
     # Lightning's info lines ("GPU available: False", "Seed set to 0", the litlogger advert): info,
     # not warnings; Lightning documents raising these loggers' level to quiet them.

@@ -39,6 +39,10 @@ from loorl.settings import EstimatorSettings, KLSettings, LossSettings, ModelSet
 log = logging.getLogger(__name__)
 
 
+# the DataModule's per-prompt validation results -> the logged `val/<name>` metrics
+VALIDATION_METRICS = {"correct": "accuracy", "reward": "reward", "pass_k": "pass_at_k", "maj_k": "maj_at_k"}
+
+
 def minibatch_groups(rl: RLSettings, *, seed: int, step: int, world_size: int = 1) -> list[list[int]]:
     """This rank's groups in each optimizer step of RL step `step`, as indices into its own B/W groups.
 
@@ -84,7 +88,11 @@ class PolicyGradientModule(L.LightningModule):
         self.automatic_optimization = False
         self.policy = None
         self.reference: FrozenReference | None = None
-        self.val_accuracy, self.val_pass_k, self.reward_mean = MeanMetric(), MeanMetric(), MeanMetric()
+        self.reward_mean = MeanMetric()
+        # held-out metrics: name -> MeanMetric over prompts (NaN rewards of unscorable samples left out)
+        self.val_metrics = torch.nn.ModuleDict(
+            {name: MeanMetric(nan_strategy="ignore") for name in VALIDATION_METRICS.values()}
+        )
         self._grad_norms: list[float] = []
 
     # ---- models --------------------------------------------------------------------------------
@@ -229,14 +237,17 @@ class PolicyGradientModule(L.LightningModule):
             self._grad_norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
 
     # ---- held-out evaluation -------------------------------------------------------------------
-    def validation_step(self, results: dict[str, torch.Tensor | None], batch_idx: int) -> None:
-        """`results`: the DataModule's greedy correctness [n] and sampled pass@k [n] (or None)."""
+    def validation_step(self, results: dict, batch_idx: int) -> None:
+        """`results`: the DataModule's per-prompt metrics [n] (`RolloutDataModule.evaluate`); pass@k and
+        maj@k are None when not measured. Each is averaged over all held-out prompts (and ranks)."""
         n = len(results["correct"])
-        self.val_accuracy.update(results["correct"])
-        self.log("val/accuracy", self.val_accuracy, on_step=False, on_epoch=True, prog_bar=True, batch_size=n)
-        if results.get("pass_k") is not None:
-            self.val_pass_k.update(results["pass_k"])
-            self.log("val/pass_at_k", self.val_pass_k, on_step=False, on_epoch=True, batch_size=n)
+        for key, name in VALIDATION_METRICS.items():
+            if results.get(key) is None:
+                continue
+            metric = self.val_metrics[name]
+            metric.update(results[key].float())
+            self.log(f"val/{name}", metric, on_step=False, on_epoch=True, batch_size=n,
+                     prog_bar=name == "accuracy")  # fmt: skip
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:

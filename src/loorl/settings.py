@@ -75,6 +75,7 @@ class RunSettings(Section):
     resume_from: str | None = None  # a checkpoint path, "auto" (the newest under output_dir) or None
     val_every: PositiveInt = 10
     val_pass_k: NonNegativeInt = 4  # 0: off
+    sample_rows: Annotated[int, Field(ge=-1)] = 8  # completions per validation in samples.csv; -1: all
     checkpoint_every: NonNegativeInt = 50  # 0: off
     checkpoint_keep: Annotated[int, Field(ge=-1)] = 2  # the newest periodic checkpoints kept; -1: all
     export_policy: bool = True
@@ -279,3 +280,26 @@ class ModelSettings(Section):
             raise ConfigError(
                 "model.name_or_path is null and there is no model.tiny or model.gguf block: set one of them"
             )
+
+
+EvalSplit = Literal["eval", "train"]
+
+
+@dataclass(frozen=True, config=SCHEMA)
+class EvalSettings(Section):
+    """`eval` (conf/eval.yaml): what `src/eval.py` measures."""
+
+    split: EvalSplit = "eval"  # eval: the task's held-out set | train: drawn training prompts
+    num_prompts: PositiveInt | None = None  # at most this many prompts (split=train needs a number)
+    samples: NonNegativeInt = 8  # n sampled completions per prompt for pass@k and maj@k; 0: greedy only
+    k: PositiveInt = 4  # pass@k and maj@k from the n samples
+    rows: Annotated[int, Field(ge=-1)] = -1  # greedy completions written to samples.csv; -1: all
+
+    def __post_init__(self) -> None:
+        if self.samples and self.k > self.samples:
+            raise ConfigError(
+                f"eval.k={self.k} is more than eval.samples={self.samples}: pass@k and maj@k draw k of the "
+                f"n samples; set eval.samples={self.k} or more, or a smaller eval.k"
+            )
+        if self.split == "train" and self.num_prompts is None:
+            raise ConfigError("eval.split=train draws training prompts: set eval.num_prompts to how many")

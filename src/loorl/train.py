@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-from loorl.callbacks import EngineSync, GracefulStop, HFExport, RunSummary
+from loorl.callbacks import EngineSync, GracefulStop, HFExport, RunSummary, SampleLog
 from loorl.checkpoints import (
     AtomicCheckpointIO,
     previous_metrics_rows,
@@ -22,7 +21,7 @@ from loorl.checkpoints import (
     run_identity,
 )
 from loorl.config import Settings, check_config, load_settings, strategy_kind
-from loorl.console import ProgressLines, quiet_library_output
+from loorl.console import ProgressLines, run_cli
 from loorl.errors import ConfigError
 from loorl.models import load_tokenizer, model_identity, model_label, resolve_model_path
 from loorl.module import PolicyGradientModule
@@ -34,9 +33,10 @@ log = logging.getLogger(__name__)
 
 
 def build_datamodule(
-    cfg: DictConfig, task, tokenizer, model_path: str, s: Settings | None = None
+    cfg: DictConfig, task, tokenizer, model_path: str, s: Settings | None = None, **evaluation
 ) -> RolloutDataModule:
-    """The environment side: the task, the rollout engine and the reward functions."""
+    """The environment side: the task, the rollout engine and the reward functions. `evaluation`:
+    the DataModule's eval_samples, eval_split and eval_limit (src/eval.py)."""
     s = s or load_settings(cfg)
     engine = build_engine(
         s.rollout, tokenizer, model_path=model_path, model_dtype=s.model.dtype, seed=s.run.seed
@@ -50,6 +50,7 @@ def build_datamodule(
         rewards=build_composer(cfg.reward, task),
         seed=s.run.seed,
         pass_k=s.run.val_pass_k,
+        **evaluation,
     )
 
 
@@ -129,7 +130,12 @@ def train(cfg: DictConfig) -> dict[str, float]:
         title=f"{s.estimator.name} on {cfg.task.name} ({model_label(s.model)})",
         pass_k=s.run.val_pass_k,
     )
-    callbacks = [EngineSync(datamodule.engine), summary, GracefulStop(checkpoints / "last.ckpt")]
+    callbacks = [
+        EngineSync(datamodule.engine),
+        summary,
+        GracefulStop(checkpoints / "last.ckpt"),
+        SampleLog(str(output_dir / "samples.csv"), rows=s.run.sample_rows),
+    ]
     if s.run.checkpoint_every:
         callbacks.append(
             ModelCheckpoint(
@@ -153,6 +159,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
         earlier_rows = previous_metrics_rows(resume.path, last_epoch=resume.epoch)
     loggers = [instantiate(c) for c in (cfg.logger or {}).values()]
     replay_metrics_rows(loggers, earlier_rows)
+    for logger in loggers:  # the resolved config beside the metrics (CSV: hparams.yaml; wandb: its config)
+        logger.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
     trainer = instantiate(
         cfg.trainer,
         logger=loggers or False,
@@ -165,16 +173,21 @@ def train(cfg: DictConfig) -> dict[str, float]:
         trainer.validate(module, datamodule=datamodule, verbose=False)
     else:
         log.info("resuming from %s", resume.path)
-    trainer.fit(module, datamodule=datamodule, ckpt_path=resume.path if resume else None)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=resume.path if resume else None)
+    finally:
+        finish_loggers(loggers)
     return summary.summary(trainer)
+
+
+def finish_loggers(loggers: list) -> None:
+    """Close each wandb run: Lightning leaves it open, and the next job of a multirun (same process)
+    would otherwise log into it instead of starting its own."""
+    for logger in loggers:
+        if type(logger).__name__ == "WandbLogger" and logger._experiment is not None:
+            logger.experiment.finish()
 
 
 def main(cfg: DictConfig) -> dict[str, float]:
     """The CLI: a bad setting prints one `error:` line and exits 2."""
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    quiet_library_output()
-    try:
-        return train(cfg)
-    except ConfigError as err:
-        print(f"error: {err}")
-        raise SystemExit(2) from None
+    return run_cli(train, cfg)

@@ -6,7 +6,8 @@ them (rewards and correctness from one verifier pass) and assembles the batch; t
 nothing of the module: the engine follows the policy through `callbacks.EngineSync`.
 
 The train loader yields one `Rollout` per epoch (`reload_dataloaders_every_n_epochs=1`); the
-validation loader yields greedy correctness and sampled pass@k per batch of held-out prompts.
+validation loader yields greedy correctness and reward, sampled pass@k and maj@k per batch of
+held-out prompts (`evaluate`).
 Both generate lazily, as the loop fetches the batch: after the epoch's `on_*_start` hooks have
 synced the engine.
 """
@@ -30,6 +31,7 @@ from loorl.distributed import (
     rank_block,
 )
 from loorl.errors import ConfigError
+from loorl.evaluation import maj_at_k, pass_at_k
 from loorl.masked import masked_std
 from loorl.rewards import TASK_VERIFIER, Graded, RewardComposer, WeightedReward, correctness
 from loorl.rollout.batch import Rollout, assemble
@@ -51,6 +53,7 @@ def rollout_stats(
         "rollout/reward_std": float(masked_std(rewards, scorable)),
         "rollout/accuracy": float(graded.correct.mean()),
         "rollout/completion_len": float(lengths.mean()),
+        "rollout/gen_tokens": float(lengths.sum()),  # the step's generated tokens (all ranks)
         "rollout/truncated_frac": float((~finished).float().mean()),
         "rollout/zero_std_group_frac": float((group_std == 0).float().mean()),
         "rollout/unscorable": float(graded.unscorable),
@@ -100,11 +103,20 @@ class RolloutDataModule(L.LightningDataModule):
         rollout: RolloutSettings,
         rewards: RewardComposer | None = None,
         seed: int = 0,
-        pass_k: int = 0,  # validation: sampled pass@k besides greedy accuracy; 0: off
+        pass_k: int = 0,  # validation: sampled pass@k and maj@k besides greedy accuracy; 0: off
+        eval_samples: int | None = None,  # n >= pass_k samples per prompt for them; None: pass_k
+        eval_split: str = "eval",  # eval: the task's held-out set | train: drawn training prompts
+        eval_limit: int | None = None,  # at most this many validation prompts (split=train needs it)
     ) -> None:
         super().__init__()
         self.task, self.tokenizer, self.engine = task, tokenizer, engine
         self.rl, self.settings, self.seed, self.pass_k = rl, rollout, seed, pass_k
+        self.eval_samples = pass_k if eval_samples is None else eval_samples
+        if pass_k > self.eval_samples:
+            raise ConfigError(
+                f"pass@k with k={pass_k} needs at least k samples per prompt, not {eval_samples}"
+            )
+        self.eval_split, self.eval_limit = eval_split, eval_limit
         self.rewards = rewards or RewardComposer([WeightedReward("task", TASK_VERIFIER)], task=task)
 
     # ---- prompts -------------------------------------------------------------------------------
@@ -128,6 +140,15 @@ class RolloutDataModule(L.LightningDataModule):
         prompts = self.task.prompts_for_step(step, self.rl.prompts_per_step, seed=self.seed)
         return [prompts[i] for i in rank_block(len(prompts), *rank_and_world())]
 
+    def held_out_prompts(self) -> list[Prompt]:
+        """The validation prompts: the task's held-out set, or (`eval_split=train`) `eval_limit`
+        training prompts drawn with the run's seed; at most `eval_limit` of them."""
+        if self.eval_split == "train":
+            if not self.eval_limit:
+                raise ConfigError("eval.split=train draws training prompts: set eval.num_prompts to how many")
+            return self.task.prompts_for_step(0, self.eval_limit, seed=self.seed)
+        return self.task.eval_prompts()[: self.eval_limit]
+
     def setup(self, stage: str) -> None:
         if not getattr(self, "_prepared", False):
             self.task.prepare(self.tokenizer, max_prompt_length=self.settings.max_prompt_length)
@@ -135,7 +156,7 @@ class RolloutDataModule(L.LightningDataModule):
         rank, world = rank_and_world()
         # checked before launch where trainer.devices is a number; "auto" is known only now
         check_world_divides(self.rl.prompts_per_step, self.rl.prompts_per_minibatch, world, "as launched")
-        self.eval_prompts = self.task.eval_prompts()[rank::world]  # sharded; accuracy is reduced by the
+        self.eval_prompts = self.held_out_prompts()[rank::world]  # sharded; accuracy is reduced by the
         # learner's MeanMetric (sums and counts over ranks)
         self.encode_prompts(self.eval_prompts)  # fail early on over-long prompts
 
@@ -146,11 +167,14 @@ class RolloutDataModule(L.LightningDataModule):
     # ---- one RL iteration ----------------------------------------------------------------------
     @torch.no_grad()
     def collect(self, step: int) -> Rollout:
-        """Prompts, K completions each from the engine's current weights, their grades, the batch."""
-        prompts = self.prompts_for_step(step)
+        """Step `step`'s prompts, K completions each from the engine's current weights, their grades."""
+        return self.rollout(self.prompts_for_step(step), seed=self.sampling_seed("rollout", step), step=step)
+
+    @torch.no_grad()
+    def rollout(self, prompts: list[Prompt], *, seed: int, step: int = 0) -> Rollout:
+        """K completions of each prompt sampled with `seed`, graded and assembled into a batch."""
         prompt_ids = self.encode_prompts(prompts)
         t0 = time.perf_counter()
-        seed = self.sampling_seed("rollout", step)
         groups = self.engine.generate(prompt_ids, n=self.rl.samples_per_prompt, seed=seed)
         gen_seconds = time.perf_counter() - t0
         self.engine.sleep()
@@ -197,14 +221,35 @@ class RolloutDataModule(L.LightningDataModule):
         )
 
     @torch.no_grad()
-    def evaluate(self, prompts: list[Prompt]) -> dict[str, torch.Tensor | None]:
-        """Greedy correctness [n] and, with `pass_k` > 0, whether any of k samples is correct [n]."""
+    def evaluate(self, prompts: list[Prompt]) -> dict:
+        """Held-out metrics of a batch of prompts, per prompt: greedy correctness `correct` [n] and
+        reward `reward` [n] (NaN: unscorable), the greedy `completions`; with `pass_k` = k > 0 also
+        the unbiased pass@k and maj@k [n] of `eval_samples` (n >= k) sampled completions each.
+        The validation loop and `src/eval.py` both run this."""
         ids = self.encode_prompts(prompts)
-        greedy = self.decode(self.engine.generate(ids, n=1, greedy=True))
-        results = {"correct": correctness(self.task, prompts, greedy).view(-1), "pass_k": None}  # [n]
+        greedy = self.decode(self.engine.generate(ids, n=1, greedy=True))  # [n][1]
+        graded = self.rewards(prompts, greedy)  # [n, 1]
+        results = {
+            "prompts": [p.text for p in prompts],
+            "completions": [g[0] for g in greedy],
+            "correct": graded.correct.view(-1),  # [n]
+            "reward": graded.rewards.view(-1),  # [n]
+            "pass_k": None,
+            "maj_k": None,
+        }
         if self.pass_k > 0:
             step = self.trainer.global_step if self.trainer is not None else 0
             seed = self.sampling_seed("validation", step, prompts[0].text)  # this batch's own stream
-            sampled = self.decode(self.engine.generate(ids, n=self.pass_k, seed=seed))
-            results["pass_k"] = correctness(self.task, prompts, sampled).amax(-1)  # [n]
+            sampled = self.decode(self.engine.generate(ids, n=self.eval_samples, seed=seed))  # [n][N]
+            correct = correctness(self.task, prompts, sampled)  # [n, N]
+            results["pass_k"] = pass_at_k(self.eval_samples, correct.sum(-1), self.pass_k)  # [n]
+            answers = [[self._answer(p, t) for t in row] for p, row in zip(prompts, sampled)]
+            results["maj_k"] = maj_at_k(answers, correct, self.pass_k)  # [n]
         return results
+
+    def _answer(self, prompt: Prompt, text: str) -> str | None:
+        """The task's extracted answer; None where the extractor fails on odd text."""
+        try:
+            return self.task.extract_answer(prompt, text)
+        except Exception:  # noqa: BLE001 - as a failing verifier: that sample has no answer
+            return None

@@ -1,4 +1,8 @@
-"""`task=arithmetic`: prompts like `17+25=`, reward 1 for the exact sum and 0 otherwise."""
+"""`task=arithmetic`: prompts like `17+25=`, reward 1 for the exact sum and 0 otherwise.
+
+`task=arithmetic_offset` is the same task with every reward shifted by a constant (`reward_offset`),
+as a reward model's scores are, whose zero point is arbitrary: leave-one-out and group-mean baselines
+are blind to the shift, REINFORCE without a baseline is not (README "Ablations")."""
 
 from __future__ import annotations
 
@@ -23,10 +27,11 @@ class ArithmeticTask(Task):
         eval_seed: int = 1234,
         exclude_eval_from_train: bool = False,
         max_new_tokens: int = 5,
+        reward_offset: float = 0.0,
     ) -> None:
         if max_operand < min_operand:
             raise ValueError("task.max_operand must be >= task.min_operand")
-        self.name = name
+        self.name, self.reward_offset = name, reward_offset
         self.min_operand, self.max_operand = min_operand, max_operand
         self.max_new_tokens = max_new_tokens
         pairs = [
@@ -50,7 +55,12 @@ class ArithmeticTask(Task):
         return [self._prompt(a, b) for a, b in self._eval_pairs]
 
     def reward(self, prompt: Prompt, completion: str) -> float | None:
-        return 1.0 if completion.strip() == prompt.answer else 0.0
+        return self.grade(prompt, completion)[0]
+
+    def grade(self, prompt: Prompt, completion: str) -> tuple[float, bool]:
+        """Correct for the exact sum; the reward is 1 + offset for it, the offset otherwise."""
+        correct = self.extract_answer(prompt, completion) == prompt.answer
+        return float(correct) + self.reward_offset, correct
 
 
 class ChatArithmeticTask(ArithmeticTask):
@@ -116,5 +126,5 @@ class ChatArithmeticTask(ArithmeticTask):
         )
         return Prompt(text=text, answer=str(a + b), meta={"a": a, "b": b, "question": question})
 
-    def reward(self, prompt: Prompt, completion: str) -> float:
-        return 1.0 if extract_final_number(completion, mode=self.answer_mode) == prompt.answer else 0.0
+    def extract_answer(self, prompt: Prompt, completion: str) -> str | None:
+        return extract_final_number(completion, mode=self.answer_mode)

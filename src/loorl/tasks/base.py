@@ -48,6 +48,11 @@ class Task(ABC):
         r = self.reward(prompt, completion)
         return r, r is not None and not math.isnan(r) and r > 0
 
+    def extract_answer(self, prompt: Prompt, completion: str) -> str | None:
+        """The completion's final answer as a normalised string, for majority voting (maj@k); None when
+        it has none. Default: the stripped completion."""
+        return completion.strip() or None
+
     def is_correct(self, prompt: Prompt, completion: str) -> bool:
         """Task accuracy of one completion."""
         return self.grade(prompt, completion)[1]

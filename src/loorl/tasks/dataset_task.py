@@ -9,7 +9,14 @@ import numpy as np
 from loorl.errors import ConfigError
 from loorl.tasks.base import Prompt, Task
 from loorl.tasks.data import Example, filter_by_length, format_prompt, load_examples
-from loorl.tasks.verifiers import check_answer_mode, gsm8k_reward, math_reward
+from loorl.tasks.verifiers import (
+    check_answer_mode,
+    extract_gsm8k_answer,
+    gsm8k_reward,
+    last_boxed,
+    math_reward,
+    normalize_math_answer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +119,12 @@ class DatasetTask(Task):
                 completion, prompt.answer, mode=self.answer_mode, format_score=self.format_score
             )
         return math_reward(completion, prompt.answer, format_score=self.format_score)
+
+    def extract_answer(self, prompt: Prompt, completion: str) -> str | None:
+        if self.verifier == "gsm8k":
+            return extract_gsm8k_answer(completion, mode=self.answer_mode)
+        boxed = last_boxed(completion)
+        return None if boxed is None else normalize_math_answer(boxed) or None
 
     def grade(self, prompt: Prompt, completion: str) -> tuple[float, bool]:
         r = self.reward(prompt, completion)

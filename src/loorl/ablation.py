@@ -1,0 +1,277 @@
+"""From finished Hydra multirun folders to an answer: a table with confidence intervals and curves.
+
+A job folder (`<sweep>/<n>/`) holds `.hydra/overrides.yaml` (what the job set), `config.yaml` and
+`metrics.json` (`RunSummary`: the summary and every metric's history). Jobs are grouped into
+settings by their overrides, leaving out `seed` and the overrides every job shares; each setting's
+numbers are the mean over its seeds with a two-sided 95% Student-t confidence interval
+(mean +- t(0.975, n-1) * sd / sqrt(n); none with a single seed).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+log = logging.getLogger(__name__)
+
+SEED_KEYS = ("seed",)
+
+
+@dataclass
+class Job:
+    path: Path
+    overrides: list[str]  # as given to the job (`estimator=rloo`, `seed=1`, ...)
+    seed: int
+    summary: dict
+    history: dict[str, list[tuple[int, float]]]
+    config: dict
+
+    def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """(steps, values) of a metric's history."""
+        points = self.history.get(key, [])
+        return np.array([p[0] for p in points], dtype=float), np.array([p[1] for p in points], dtype=float)
+
+    def cumulative_tokens(self) -> np.ndarray:
+        """Generated tokens up to and including each RL step's rollout, [steps]."""
+        steps, tokens = self.series("rollout/gen_tokens")
+        if not len(tokens):  # a run from before rollout/gen_tokens: mean length x samples per step
+            steps, length = self.series("rollout/completion_len")
+            rl = self.config.get("rl", {})
+            tokens = length * rl.get("prompts_per_step", 0) * rl.get("samples_per_prompt", 0)
+        return np.cumsum(tokens[np.argsort(steps)])
+
+
+@dataclass
+class Setting:
+    label: str
+    jobs: list[Job] = field(default_factory=list)
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def read_jobs(sweep_dirs: list[Path]) -> tuple[list[Job], list[Path]]:
+    """The finished jobs under the sweep folders (in job order), and the job folders without results."""
+    jobs, unfinished = [], []
+    for sweep in sweep_dirs:
+        found = Path(sweep).rglob(".hydra/overrides.yaml")
+        for overrides_file in sorted(found, key=lambda f: _numeric_parts(f.relative_to(sweep))):
+            folder = overrides_file.parent.parent
+            metrics = folder / "metrics.json"
+            if not metrics.is_file():
+                unfinished.append(folder)
+                continue
+            overrides = [str(o) for o in yaml.safe_load(overrides_file.read_text()) or []]
+            data = json.loads(metrics.read_text())
+            config_file = folder / "config.yaml"
+            config = yaml.safe_load(config_file.read_text()) if config_file.is_file() else {}
+            seed = next((int(o.split("=", 1)[1]) for o in overrides if _key(o) in SEED_KEYS), 0)
+            history = {k: [tuple(p) for p in v] for k, v in data["history"].items()}
+            jobs.append(Job(folder, overrides, seed, data["summary"], history, config or {}))
+    return jobs, unfinished
+
+
+def _numeric_parts(path: Path) -> tuple:
+    """A sort key that puts Hydra's job folders 0, 1, ..., 10 in numeric order."""
+    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in path.parts)
+
+
+def group_settings(jobs: list[Job]) -> list[Setting]:
+    """Jobs grouped by their overrides without the seed and without what every job shares; settings in
+    the order their first job ran. A setting's label is its distinguishing overrides (the value
+    alone when one key varies)."""
+    shared = set.intersection(*(set(j.overrides) for j in jobs)) if jobs else set()
+    settings: dict[tuple, Setting] = {}
+    varying_keys = {
+        _key(o) for j in jobs for o in j.overrides if o not in shared and _key(o) not in SEED_KEYS
+    }
+    for job in jobs:
+        own = tuple(o for o in job.overrides if o not in shared and _key(o) not in SEED_KEYS)
+        if own not in settings:
+            parts = [o.split("=", 1)[1] if len(varying_keys) == 1 else o.lstrip("+") for o in own]
+            settings[own] = Setting(", ".join(parts) or "(all runs)")
+        settings[own].jobs.append(job)
+    return list(settings.values())
+
+
+# ---- statistics ----------------------------------------------------------------------------------
+def mean_ci(values: list[float] | np.ndarray, *, level: float = 0.95) -> tuple[float, float]:
+    """(mean, half-width of the Student-t confidence interval); the half-width is NaN for n < 2."""
+    from scipy import stats
+
+    x = np.asarray([v for v in values if not math.isnan(v)], dtype=float)
+    if len(x) == 0:
+        return float("nan"), float("nan")
+    if len(x) < 2:
+        return float(x.mean()), float("nan")
+    half = stats.t.ppf(0.5 + level / 2, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
+    return float(x.mean()), float(half)
+
+
+def accuracy_auc(steps: np.ndarray, acc: np.ndarray) -> float:
+    """Area under the held-out accuracy curve over the run, divided by its length in steps: the mean
+    accuracy along training (rewards learning early, not only where it ends)."""
+    if len(steps) < 2:
+        return float(acc[0]) if len(acc) else float("nan")
+    order = np.argsort(steps)
+    s, a = steps[order], acc[order]
+    return float(np.sum((a[1:] + a[:-1]) / 2 * np.diff(s)) / (s[-1] - s[0]))
+
+
+def job_metrics(job: Job) -> dict[str, float]:
+    steps, acc = job.series("val/accuracy")
+    s = job.summary
+    return {
+        "final_accuracy": float(acc[np.argmax(steps)]) if len(acc) else float("nan"),
+        "best_accuracy": float(acc.max()) if len(acc) else float("nan"),
+        "accuracy_auc": accuracy_auc(steps, acc),
+        "final_reward": float(s.get("reward_last", float("nan"))),
+        "kl": float(s.get("kl_last", float("nan"))),
+        "gen_tokens": float(job.cumulative_tokens()[-1]) if len(job.cumulative_tokens()) else float("nan"),
+        "wall_seconds": float(s.get("wall_seconds", float("nan"))),
+    }
+
+
+COLUMNS = {  # metric -> (column title, format)
+    "final_accuracy": ("final acc. (%)", "pct"),
+    "best_accuracy": ("best acc. (%)", "pct"),
+    "accuracy_auc": ("acc. AUC (%)", "pct"),
+    "final_reward": ("final reward", ".3f"),
+    "kl": ("KL", ".4f"),
+    "gen_tokens": ("gen. tokens", ",.0f"),
+    "wall_seconds": ("wall (s)", ".0f"),
+}
+
+
+def _cell(mean: float, half: float, fmt: str) -> str:
+    if math.isnan(mean):
+        return "n/a"
+    scale, fmt = (100.0, ".1f") if fmt == "pct" else (1.0, fmt)
+    text = format(mean * scale, fmt)
+    return text if math.isnan(half) else f"{text} ± {format(half * scale, fmt)}"
+
+
+def summarize(settings: list[Setting]) -> list[dict]:
+    """Per setting: the seed count and each metric's (mean, 95% half-width), plus per-seed values."""
+    rows = []
+    for setting in settings:
+        per_job = [job_metrics(j) for j in setting.jobs]
+        row = {"setting": setting.label, "seeds": sorted(j.seed for j in setting.jobs), "metrics": {}}
+        for name in COLUMNS:
+            values = [m[name] for m in per_job]
+            mean, half = mean_ci(values)
+            row["metrics"][name] = {"mean": mean, "ci95": half, "values": values}
+        rows.append(row)
+    return rows
+
+
+def markdown_table(rows: list[dict], *, title: str, note: str = "") -> str:
+    head = ["setting", "seeds"] + [title_ for title_, _ in COLUMNS.values()]
+    lines = [f"## {title}", "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for row in rows:
+        cells = [row["setting"], str(len(row["seeds"]))]
+        cells += [
+            _cell(row["metrics"][k]["mean"], row["metrics"][k]["ci95"], fmt)
+            for k, (_, fmt) in COLUMNS.items()
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Mean ± half-width of the 95% Student-t confidence interval over seeds. Accuracy: greedy on the "
+        "held-out split (final: the last validation, best: the highest, AUC: the mean along training); "
+        "reward: the mean of the last steps' rollouts; KL: to the reference at the last step; "
+        "gen. tokens: completion tokens generated over the run.",
+    ]
+    if note:
+        lines += ["", note]
+    return "\n".join(lines) + "\n"
+
+
+# ---- curves --------------------------------------------------------------------------------------
+def _band(ax, x: np.ndarray, ys: np.ndarray, label: str, color) -> None:
+    """Mean over seeds (rows of `ys`) with its 95% t-interval as a band."""
+    from scipy import stats
+
+    mean = ys.mean(0)
+    ax.plot(x, mean, label=label, color=color, lw=1.5)
+    if len(ys) > 1:
+        half = stats.t.ppf(0.975, len(ys) - 1) * ys.std(0, ddof=1) / math.sqrt(len(ys))
+        ax.fill_between(x, mean - half, mean + half, color=color, alpha=0.2, lw=0)
+
+
+def _aligned(jobs: list[Job], key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Steps every seed has, their values [seeds, steps] and the mean cumulative tokens at each."""
+    common = sorted(set.intersection(*(set(j.series(key)[0].tolist()) for j in jobs)))
+    values, tokens = [], []
+    for job in jobs:
+        steps, v = job.series(key)
+        lookup = dict(zip(steps.tolist(), v.tolist()))
+        values.append([lookup[s] for s in common])
+        cum = job.cumulative_tokens()
+        # validation at step s saw the policy after s updates: tokens of the rollouts 0..s-1;
+        # the reward of step s is that rollout's own: tokens of 0..s
+        before = [0.0 if s == 0 else cum[min(int(s) - 1, len(cum) - 1)] for s in common] if len(cum) else []
+        during = [cum[min(int(s), len(cum) - 1)] for s in common] if len(cum) else []
+        tokens.append(before if key.startswith("val/") else during)
+    return (
+        np.array(common),
+        np.array(values),
+        np.array(tokens).mean(0) if tokens and tokens[0] else np.array([]),
+    )
+
+
+def plot_curves(settings: list[Setting], path: Path, *, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharey="col")
+    colors = plt.get_cmap("tab10")
+    for i, setting in enumerate(settings):
+        for col, key in enumerate(("val/accuracy", "rollout/reward")):
+            if not all(j.history.get(key) for j in setting.jobs):
+                continue
+            steps, values, tokens = _aligned(setting.jobs, key)
+            _band(axes[0, col], steps, values, setting.label, colors(i % 10))
+            if len(tokens):
+                _band(axes[1, col], tokens, values, setting.label, colors(i % 10))
+    for col, name in enumerate(("held-out greedy accuracy", "rollout reward")):
+        axes[0, col].set_xlabel("RL step")
+        axes[1, col].set_xlabel("generated tokens")
+        for row in range(2):
+            axes[row, col].set_ylabel(name)
+            axes[row, col].grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle(f"{title} (mean over seeds, band: 95% CI)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(sweep_dirs: list[Path], out: Path, *, title: str, note: str = "") -> list[dict]:
+    """`table.md`, `table.json` and `curves.png` in `out` from the jobs under `sweep_dirs`."""
+    jobs, unfinished = read_jobs(sweep_dirs)
+    if not jobs:
+        raise FileNotFoundError(f"no finished runs (metrics.json) under {', '.join(map(str, sweep_dirs))}")
+    if unfinished:
+        note = (
+            (note + "\n\n" if note else "")
+            + f"{len(unfinished)} job(s) without results left out: "
+            + ", ".join(str(p) for p in unfinished)
+        )
+        log.warning("%d job folder(s) without metrics.json left out", len(unfinished))
+    settings = group_settings(jobs)
+    rows = summarize(settings)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "table.md").write_text(markdown_table(rows, title=title, note=note))
+    (out / "table.json").write_text(json.dumps(rows, indent=1))
+    plot_curves(settings, out / "curves.png", title=title)
+    return rows

@@ -1,0 +1,149 @@
+"""`evaluate(cfg) -> metrics`: a trained policy on a task's split, with the validation loop's own code.
+
+`src/eval.py policy=PATH` composes `conf/eval.yaml` (the training config plus an `eval` section).
+The policy is an exported HF folder (`<run>/policy`: loaded as the model) or a loorl checkpoint
+(`<run>/checkpoints/last.ckpt`: its weights over the configured base model, whose identity the
+checkpoint must share). Lightning's `validate` then runs `RolloutDataModule.evaluate` over the
+prompts (greedy pass@1 and reward; pass@k and maj@k from n samples), and the results are written
+as `results.json`, `results.md` and `samples.csv` in the output folder.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+import warnings
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from loorl.callbacks import EngineSync, SampleLog
+from loorl.checkpoints import IDENTITY_KEY, read_checkpoint
+from loorl.config import check_config
+from loorl.errors import ConfigError
+from loorl.models import load_tokenizer, model_identity, model_label, resolve_model_path
+from loorl.settings import EvalSettings
+
+log = logging.getLogger(__name__)
+
+
+def policy_kind(policy: str) -> str:
+    """`hf` (a folder with config.json) or `checkpoint` (a Lightning .ckpt file); ConfigError else."""
+    path = Path(os.path.expanduser(policy))
+    if not path.exists():
+        raise ConfigError(f"policy={policy} does not exist: pass <run>/policy or <run>/checkpoints/last.ckpt")
+    if path.is_dir() and (path / "config.json").is_file():
+        return "hf"
+    if path.is_dir():
+        raise ConfigError(
+            f"policy={policy} is a folder without config.json: pass an exported policy (<run>/policy); "
+            "a sharded (strategy=fsdp) checkpoint folder is not read here, its run exports <run>/policy"
+        )
+    return "checkpoint"
+
+
+def check_checkpoint(path: Path, cfg: DictConfig) -> None:
+    """The checkpoint is a loorl one, one file, and was trained from the configured base model."""
+    try:
+        state = read_checkpoint(path)
+    except ValueError as err:
+        raise ConfigError(f"policy={path} is not a Lightning checkpoint ({err})") from None
+    saved = (state.get(IDENTITY_KEY) or {}).get("load", {})
+    here = model_identity(cfg.model, cfg.task)
+    if saved.get("model") not in (None, here):
+        raise ConfigError(
+            f"policy={path} was trained from model {saved['model']!r}, this evaluation builds {here!r}: pass "
+            "the model=/task= options of the run that wrote it"
+        )
+
+
+def markdown(results: dict) -> str:
+    m, e = results["metrics"], results["eval"]
+
+    def pct(x):
+        return "n/a" if x is None or math.isnan(x) else f"{100 * x:.1f}%"
+
+    rows = [
+        ("policy", f"`{results['policy']}`"),
+        ("task (split, prompts)", f"{results['task']} ({e['split']}, {results['num_prompts']})"),
+        ("greedy pass@1", pct(m["pass@1_greedy"])),
+        ("mean reward (greedy)", "n/a" if math.isnan(m["reward"]) else f"{m['reward']:.3f}"),
+    ]
+    if e["samples"]:
+        rows += [
+            (f"pass@{e['k']} (unbiased, n={e['samples']})", pct(m[f"pass@{e['k']}"])),
+            (f"maj@{e['k']} (majority vote)", pct(m[f"maj@{e['k']}"])),
+        ]
+    rows.append(("wall time", f"{results['seconds']:.1f} s"))
+    lines = [f"## Evaluation: {results['model']}", "", "| metric | value |", "| --- | --- |"]
+    return "\n".join(lines + [f"| {k} | {v} |" for k, v in rows]) + "\n"
+
+
+def evaluate(cfg: DictConfig) -> dict:
+    """Check the settings, load the policy, run the validation loop once, write the results."""
+    from hydra.utils import instantiate
+
+    from loorl.train import build_datamodule, build_module, instantiate_unwrapped, trainer_precision
+
+    started = time.perf_counter()
+    if OmegaConf.is_missing(cfg, "policy"):
+        raise ConfigError("policy is not set: pass policy=<run>/policy or policy=<run>/checkpoints/last.ckpt")
+    e = EvalSettings.from_cfg(cfg.eval, "eval")
+    kind = policy_kind(cfg.policy)
+    policy = Path(os.path.expanduser(cfg.policy)).resolve()
+    with open_dict(cfg):
+        if kind == "hf":
+            cfg.model.name_or_path = str(policy)
+        cfg.val_pass_k = e.k if e.samples else 0
+    s = check_config(cfg)
+    if kind == "checkpoint":
+        check_checkpoint(policy, cfg)
+    output_dir = Path(cfg.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+
+    task = instantiate_unwrapped(cfg.task)
+    model_path = resolve_model_path(cfg.model, cfg.task, task)
+    tokenizer = load_tokenizer(model_path)
+    evaluation = {"eval_samples": e.samples, "eval_split": e.split, "eval_limit": e.num_prompts}
+    datamodule = build_datamodule(cfg, task, tokenizer, model_path, s, **evaluation)
+    module = build_module(cfg, model_path, s)
+    trainer = instantiate(
+        cfg.trainer,
+        logger=False,
+        callbacks=[EngineSync(datamodule.engine), SampleLog(str(output_dir / "samples.csv"), rows=e.rows)],
+        precision=trainer_precision(cfg),
+    )
+    # Lightning warns that the callbacks that wrote the checkpoint are absent: evaluation reads only weights
+    warnings.filterwarnings("ignore", message="Be aware that when using `ckpt_path`")
+    logged = trainer.validate(
+        module, datamodule=datamodule, ckpt_path=str(policy) if kind == "checkpoint" else None, verbose=False
+    )[0]
+    metrics = {"pass@1_greedy": logged["val/accuracy"], "reward": logged.get("val/reward", float("nan"))}
+    if e.samples:
+        metrics[f"pass@{e.k}"] = logged["val/pass_at_k"]
+        metrics[f"maj@{e.k}"] = logged["val/maj_at_k"]
+    results = {
+        "policy": str(policy),
+        "model": model_label(s.model) if kind == "checkpoint" else str(policy),
+        "task": cfg.task.name,
+        "num_prompts": len(datamodule.eval_prompts),
+        "eval": {"split": e.split, "samples": e.samples, "k": e.k, "seed": s.run.seed},
+        "metrics": {k: float(v) for k, v in metrics.items()},
+        "seconds": time.perf_counter() - started,
+    }
+    if trainer.is_global_zero:
+        (output_dir / "results.json").write_text(json.dumps(results, indent=1))
+        text = markdown(results)
+        (output_dir / "results.md").write_text(text)
+        print("\n" + text + f"\nwritten to {output_dir}/ (results.json, results.md, samples.csv)")
+    return results
+
+
+def main(cfg: DictConfig) -> dict:
+    """The CLI: a bad setting prints one `error:` line and exits 2."""
+    from loorl.console import run_cli
+
+    return run_cli(evaluate, cfg)

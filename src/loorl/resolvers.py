@@ -1,0 +1,48 @@
+"""OmegaConf resolvers the configs use, registered when `loorl.config` is imported.
+
+- `${loorl.sweep_group:}`: the sweep folder of a Hydra multirun job (one wandb group per sweep),
+  null outside a multirun.
+- `${loorl.sweep_job:}`: the job's overrides as a name (`estimator=grpo,seed=1`), null outside one.
+- `${loorl.div:a,b}`: a // b for a fixed budget split into groups (`conf/ablation/k.yaml`: prompts per
+  step = samples per step / K); an error when b does not divide a.
+"""
+
+from __future__ import annotations
+
+from omegaconf import OmegaConf
+
+from loorl.errors import ConfigError
+
+
+def _multirun_job():
+    """Hydra's runtime config inside a multirun job, else None (a single run, or no Hydra app)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized():
+        return None
+    hydra_cfg = HydraConfig.get()
+    return hydra_cfg if hydra_cfg.mode == RunMode.MULTIRUN else None
+
+
+def sweep_group() -> str | None:
+    job = _multirun_job()
+    return None if job is None else str(job.sweep.dir)
+
+
+def sweep_job() -> str | None:
+    job = _multirun_job()
+    return None if job is None else (job.job.override_dirname or None)
+
+
+def exact_div(a, b) -> int:
+    a, b = int(a), int(b)
+    if b <= 0 or a % b:
+        raise ConfigError(f"loorl.div: {b} does not divide {a}: choose sizes whose quotient is whole")
+    return a // b
+
+
+def register() -> None:
+    for name, fn in (("loorl.sweep_group", sweep_group), ("loorl.sweep_job", sweep_job),
+                     ("loorl.div", exact_div)):  # fmt: skip
+        OmegaConf.register_new_resolver(name, fn, replace=True)

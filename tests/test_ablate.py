@@ -1,0 +1,130 @@
+"""`scripts/ablate.py`: a real Hydra multirun (2 settings x 2 seeds, logged to csv and offline wandb)
+turned into a table, a JSON record and curves; `--from` reads it again; the pure statistics by hand."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from loorl.ablation import Job, accuracy_auc, group_settings, mean_ci
+from wandb_records import run_info
+
+ROOT = Path(__file__).resolve().parents[1]
+ABLATE = [sys.executable, str(ROOT / "scripts" / "ablate.py")]
+
+
+# ---- statistics by hand ------------------------------------------------------------------------
+def test_mean_ci_by_hand():
+    mean, half = mean_ci([1.0, 2.0, 3.0])  # sd 1, n 3: t(0.975, 2) = 4.3027 (tables)
+    assert mean == 2.0 and half == pytest.approx(4.302653 / math.sqrt(3), rel=1e-6)
+    assert mean_ci([5.0])[0] == 5.0 and math.isnan(mean_ci([5.0])[1])  # one seed: no interval
+    assert mean_ci([1.0, float("nan"), 3.0])[0] == 2.0  # a missing value is left out
+
+
+def test_accuracy_auc_by_hand():
+    assert accuracy_auc(np.array([0, 10, 20]), np.array([0.0, 0.5, 0.5])) == pytest.approx(7.5 / 20)
+    assert accuracy_auc(np.array([20, 0, 10]), np.array([0.5, 0.0, 0.5])) == pytest.approx(7.5 / 20)
+
+
+def job(*overrides: str) -> Job:
+    seed = next(int(o.split("=")[1]) for o in overrides if o.startswith("seed="))
+    return Job(Path("."), list(overrides), seed, {}, {}, {})
+
+
+def test_settings_are_the_overrides_that_differ_without_the_seed():
+    jobs = [job("ablation=x", f"estimator={e}", f"seed={s}") for e in ("rloo", "grpo") for s in (0, 1)]
+    settings = group_settings(jobs)
+    assert [s.label for s in settings] == ["rloo", "grpo"]
+    assert [[j.seed for j in s.jobs] for s in settings] == [[0, 1], [0, 1]]
+    two_keys = [
+        job(f"estimator={e}", f"loss.agg={a}", "seed=0") for e in ("rloo", "grpo") for a in ("t", "s")
+    ]
+    assert [s.label for s in group_settings(two_keys)][0] == "estimator=rloo, loss.agg=t"
+    group = [job("+ablation/kl_settings=none", "seed=0"), job("+ablation/kl_settings=loss_k2", "seed=0")]
+    assert [s.label for s in group_settings(group)] == ["none", "loss_k2"]
+
+
+# ---- a real sweep --------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def sweep(model_cache, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ablation") / "estimators"
+    command = ABLATE + ["estimators", "--seeds", "2", "--steps", "2", "--out", str(out),
+                        "estimator=rloo,reinforce", "debug=quick", f"model.cache_dir={model_cache}",
+                        "val_every=1", "val_pass_k=0", "logger=[csv,wandb]",
+                        "trainer.enable_progress_bar=false"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out, done.stdout
+
+
+def test_the_sweep_runs_every_setting_and_seed(sweep):
+    out, stdout = sweep
+    jobs = sorted(p for p in (out / "runs").iterdir() if p.is_dir() and (p / "metrics.json").is_file())
+    assert len(jobs) == 4
+    assert "| rloo | 2 |" in stdout and "| reinforce | 2 |" in stdout
+
+
+def test_the_table_is_the_mean_and_interval_of_the_runs(sweep):
+    out, _ = sweep
+    rows = {r["setting"]: r for r in json.loads((out / "table.json").read_text())}
+    assert set(rows) == {"rloo", "reinforce"}
+    for setting, row in rows.items():
+        assert row["seeds"] == [0, 1]
+        finals = []
+        for folder in sorted(p for p in (out / "runs").iterdir() if p.is_dir()):
+            if f"estimator={setting}" in yaml.safe_load((folder / ".hydra" / "overrides.yaml").read_text()):
+                history = json.loads((folder / "metrics.json").read_text())["history"]
+                finals.append(history["val/accuracy"][-1][1])
+        final = row["metrics"]["final_accuracy"]
+        assert sorted(final["values"]) == pytest.approx(sorted(finals))
+        assert final["mean"] == pytest.approx(np.mean(finals))
+        assert row["metrics"]["gen_tokens"]["mean"] > 0 and row["metrics"]["wall_seconds"]["mean"] > 0
+    table = (out / "table.md").read_text()
+    assert "| setting | seeds | final acc. (%) |" in table and "±" in table
+    assert (out / "curves.png").stat().st_size > 10_000
+
+
+def test_from_reads_the_runs_again_and_a_second_sweep_does_not_overwrite(sweep, tmp_path):
+    out, _ = sweep
+    again = subprocess.run(ABLATE + ["--from", str(out / "runs"), "--out", str(tmp_path)],
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert json.loads((tmp_path / "table.json").read_text()) == json.loads((out / "table.json").read_text())
+    refused = subprocess.run(
+        ABLATE + ["estimators", "--out", str(out)], capture_output=True, text=True, timeout=300
+    )
+    assert refused.returncode == 2 and "exists (an earlier ablation)" in refused.stdout
+
+
+def test_the_sweep_is_one_wandb_group_of_offline_runs(sweep):
+    out, _ = sweep
+    runs = sorted((out / "runs").glob("*/wandb/offline-run-*"))
+    assert len(runs) == 4  # one per job: each job finishes its wandb run
+    infos = [run_info(r) for r in runs]
+    assert {i["group"] for i in infos} == {str(out / "runs")}
+    assert len({i["name"] for i in infos}) == 4 and all("seed=" in i["name"] for i in infos)
+    for info in infos:
+        assert {"val/accuracy", "rollout/reward", "train/loss_epoch"} <= set(info["history"])
+        assert json.loads(info["config"]["estimator"])["name"] in ("rloo", "reinforce")  # the resolved config
+        assert any(f.startswith("media/table/samples") for f in info["files"])  # the samples table
+    listed = subprocess.run(
+        ["wandb", "sync", "--dry-run", str(runs[0])], capture_output=True, text=True, timeout=120
+    )
+    assert "Would sync 1 run(s)" in listed.stdout + listed.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["nope"], "unknown ablation 'nope'"), (["estimators", "--seeds", "0"], "--seeds must be at least 1"),
+     (["--from", "/no/such/dir"], "--from /no/such/dir: no such folder"), ([], "name an ablation")],
+)  # fmt: skip
+def test_bad_arguments_are_one_line(args, message):
+    done = subprocess.run(ABLATE + args, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and message in done.stderr

@@ -1,0 +1,133 @@
+"""`src/eval.py` and the validation it shares: an exported policy and a checkpoint evaluate to what
+the run's own last validation measured; samples.csv; bad input is one line."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loorl.config import compose_config
+from loorl.errors import ConfigError
+from loorl.evaluate import evaluate
+from loorl.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def trained(quick_config, tmp_path_factory):
+    """A quick run (validations at steps 0, 2, 4) with its exported policy and last.ckpt."""
+    run = tmp_path_factory.mktemp("trained") / "run"
+    summary = train(quick_config("val_pass_k=2", "sample_rows=3", output_dir=run))
+    return run, summary
+
+
+def eval_config(model_cache, out, *overrides):
+    quick = ["debug=quick", f"model.cache_dir={model_cache}", "trainer.enable_progress_bar=false"]
+    return compose_config(f"output_dir={out}", *quick, *overrides, config_name="eval")
+
+
+def test_samples_csv_holds_each_validation_once(trained):
+    run, _ = trained
+    with (run / "samples.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0]) == ["step", "prompt", "completion", "reward", "correct"]
+    assert [int(r["step"]) for r in rows] == [0, 0, 0, 2, 2, 2, 4, 4, 4]
+    prompts = [r["prompt"] for r in rows]
+    assert prompts[:3] == prompts[3:6] == prompts[6:]  # the same held-out prompts, step after step
+    for r in rows:  # the arithmetic verifier: reward 1 exactly where correct
+        assert float(r["reward"]) == float(r["correct"])
+        assert r["prompt"].endswith("=")
+
+
+def test_eval_of_the_exported_policy_matches_the_last_validation(trained, model_cache, tmp_path):
+    run, summary = trained
+    results = evaluate(eval_config(model_cache, tmp_path / "hf", f"policy={run}/policy"))
+    metrics = results["metrics"]
+    assert metrics["pass@1_greedy"] == pytest.approx(summary["val_accuracy_end"], abs=1e-6)  # same weights
+    assert results["num_prompts"] == 200 and results["eval"] == {
+        "split": "eval",
+        "samples": 8,
+        "k": 4,
+        "seed": 0,
+    }
+    assert 0.0 <= metrics["pass@1_greedy"] <= metrics["pass@4"] <= 1.0
+    assert 0.0 <= metrics["maj@4"] <= 1.0
+    assert metrics["reward"] == pytest.approx(metrics["pass@1_greedy"])  # reward 1 exactly when correct
+    written = json.loads((tmp_path / "hf" / "results.json").read_text())
+    assert written["metrics"] == metrics
+    assert "| greedy pass@1 |" in (tmp_path / "hf" / "results.md").read_text()
+    with (tmp_path / "hf" / "samples.csv").open(newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 200  # eval.rows=-1: every prompt's greedy completion
+    assert sum(int(r["correct"]) for r in rows) / 200 == pytest.approx(metrics["pass@1_greedy"])
+
+
+def test_eval_of_the_checkpoint_matches_the_exported_policy(trained, model_cache, tmp_path):
+    run, summary = trained
+    ckpt = run / "checkpoints" / "last.ckpt"
+    results = evaluate(eval_config(model_cache, tmp_path / "ckpt", f"policy={ckpt}", "eval.samples=0"))
+    assert results["metrics"]["pass@1_greedy"] == pytest.approx(summary["val_accuracy_end"], abs=1e-6)
+    assert set(results["metrics"]) == {"pass@1_greedy", "reward"}  # samples=0: greedy only
+
+
+def test_eval_on_drawn_training_prompts(trained, model_cache, tmp_path):
+    run, _ = trained
+    overrides = (
+        f"policy={run}/policy",
+        "eval.split=train",
+        "eval.num_prompts=16",
+        "eval.samples=4",
+        "eval.k=2",
+    )
+    results = evaluate(eval_config(model_cache, tmp_path / "train", *overrides))
+    assert results["num_prompts"] == 16 and set(results["metrics"]) == {
+        "pass@1_greedy",
+        "reward",
+        "pass@2",
+        "maj@2",
+    }
+
+
+def test_eval_refuses_a_checkpoint_of_another_model(trained, model_cache, tmp_path):
+    run, _ = trained
+    cfg = eval_config(
+        model_cache, tmp_path, f"policy={run}/checkpoints/last.ckpt", "model.tiny.hidden_size=64"
+    )
+    with pytest.raises(ConfigError, match="was trained from model .* pass the model=/task= options"):
+        evaluate(cfg)
+
+
+@pytest.mark.parametrize(
+    ("policy", "message"),
+    [
+        ("/no/such/policy", "policy=/no/such/policy does not exist"),
+        ("FOLDER", "is a folder without config.json"),
+    ],
+)
+def test_eval_refuses_a_bad_policy_path(model_cache, tmp_path, policy, message):
+    policy = str(tmp_path) if policy == "FOLDER" else policy
+    with pytest.raises(ConfigError, match=message):
+        evaluate(eval_config(model_cache, tmp_path / "out", f"policy={policy}"))
+
+
+def test_eval_cli_prints_the_table_and_one_line_errors(trained, model_cache, tmp_path):
+    run, summary = trained
+    command = [sys.executable, str(ROOT / "src" / "eval.py"), f"policy={run}/policy", "debug=quick",
+               f"model.cache_dir={model_cache}", f"hydra.run.dir={tmp_path / 'cli'}",
+               "eval.samples=2", "eval.k=2"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "| greedy pass@1 |" in done.stdout and "| pass@2 (unbiased, n=2) |" in done.stdout
+    assert json.loads((tmp_path / "cli" / "results.json").read_text())["metrics"][
+        "pass@1_greedy"
+    ] == pytest.approx(summary["val_accuracy_end"], abs=1e-6)
+    bad = subprocess.run(command[:3] + ["eval.k=3", "eval.samples=2", f"hydra.run.dir={tmp_path / 'bad'}"],
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert bad.returncode == 2
+    assert bad.stdout.strip().splitlines()[-1].startswith("error: eval.k=3 is more than eval.samples=2")

@@ -1,0 +1,85 @@
+"""The gradient-variance statistics: hand values, the Gram form against the direct one, the bootstrap."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from loorl.grad_variance import (
+    bootstrap_interval,
+    gram_matrix,
+    relative_variance,
+    relative_variance_from_gram,
+)
+
+
+def test_relative_variance_by_hand():
+    grads = torch.tensor([[1.0, 0.0], [3.0, 0.0]])  # mean (2, 0): ||mean||^2 = 4; tr Cov = (1 + 1) / 1
+    assert relative_variance(grads) == pytest.approx(0.5)
+    assert relative_variance_from_gram(gram_matrix(grads)) == pytest.approx(0.5)
+
+
+def test_gram_form_matches_the_direct_one_also_on_resamples():
+    gen = torch.Generator().manual_seed(0)
+    grads = torch.randn(12, 500, generator=gen) + 0.3  # [R, D] a signal plus noise
+    gram = gram_matrix(grads)
+    assert relative_variance_from_gram(gram) == pytest.approx(relative_variance(grads), rel=1e-10)
+    index = np.array([0, 0, 3, 5, 5, 5, 7, 11, 2, 9, 9, 1])  # a bootstrap draw, with repeats
+    assert relative_variance_from_gram(gram, index) == pytest.approx(
+        relative_variance(grads[index]), rel=1e-10
+    )
+
+
+def test_relative_variance_is_scale_free():
+    grads = torch.randn(10, 50, generator=torch.Generator().manual_seed(1)) + 1.0
+    assert relative_variance(grads * 7.5) == pytest.approx(relative_variance(grads), rel=1e-6)
+
+
+def test_bootstrap_interval_brackets_the_estimate_and_narrows_with_more_repeats():
+    gen = torch.Generator().manual_seed(2)
+    few, many = torch.randn(10, 200, generator=gen) + 0.5, torch.randn(200, 200, generator=gen) + 0.5
+    point = relative_variance(many)
+    low, high = bootstrap_interval(gram_matrix(many), samples=500)
+    assert low < point < high
+    low_few, high_few = bootstrap_interval(gram_matrix(few), samples=500)
+    assert high_few - low_few > high - low
+    assert bootstrap_interval(gram_matrix(few), samples=200, seed=3) == bootstrap_interval(
+        gram_matrix(few), samples=200, seed=3
+    )
+
+
+# ---- the probe on a real policy ------------------------------------------------------------------
+def test_probe_shift_invariance_on_the_quick_model(model_cache, tmp_path):
+    """Baselines that subtract a group or batch mean give the same gradients when every reward moves by
+    a constant; REINFORCE without one does not. Measured on real rollouts of the quick tiny model."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "grad_variance.py"
+    spec = importlib.util.spec_from_file_location("grad_variance_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    args = ["--prompts", "8", "--samples", "4", "--repeats", "4", "--bootstrap", "50", "--out", str(tmp_path),
+            "debug=quick", f"model.cache_dir={model_cache}"]  # fmt: skip
+    assert script.main(args) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    value = {(r["estimator"], r["shift"]): r["relative_variance"] for r in results["rows"]}
+    names = {r["estimator"] for r in results["rows"]}
+    assert names == {
+        "rloo",
+        "grpo",
+        "dr_grpo",
+        "reinforce",
+        "reinforce_pp",
+        "reinforce_pp_baseline",
+        "batch_mean",
+    }
+    for name in names - {"reinforce"}:
+        assert value[(name, 1.0)] == pytest.approx(value[(name, 0.0)], rel=1e-3), name
+    assert value[("reinforce", 1.0)] > 1.5 * value[("reinforce", 0.0)]  # the shift adds pure noise
+    for row in results["rows"]:
+        low, high = row["ci95"]
+        assert low <= row["relative_variance"] * 1.5 and high >= row["relative_variance"] / 1.5 and low < high
+    assert "| rloo |" in (tmp_path / "table.md").read_text()
