@@ -227,7 +227,20 @@ def _aligned(jobs: list[Job], key: str) -> tuple[np.ndarray, np.ndarray, np.ndar
     )
 
 
+def moving_average(values: np.ndarray, window: int) -> np.ndarray:
+    """Trailing mean over `window` steps along the last axis (shorter at the start)."""
+    if window <= 1:
+        return values
+    cum = np.cumsum(np.pad(values, [(0, 0)] * (values.ndim - 1) + [(1, 0)]), axis=-1)
+    idx = np.arange(values.shape[-1])
+    start = np.maximum(idx + 1 - window, 0)
+    return (cum[..., idx + 1] - cum[..., start]) / (idx + 1 - start)
+
+
 def plot_curves(settings: list[Setting], path: Path, *, title: str) -> None:
+    """Held-out accuracy and rollout reward (a trailing mean over ~1/15 of the run: one step's reward
+    is noisy) against RL step and generated tokens; the mean over seeds with its 95% band. The
+    y-axes span the means (bands of few seeds run far beyond them)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -235,17 +248,31 @@ def plot_curves(settings: list[Setting], path: Path, *, title: str) -> None:
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharey="col")
     colors = plt.get_cmap("tab10")
+    means: dict[int, list[np.ndarray]] = {0: [], 1: []}
+    window = 1
     for i, setting in enumerate(settings):
         for col, key in enumerate(("val/accuracy", "rollout/reward")):
             if not all(j.history.get(key) for j in setting.jobs):
                 continue
             steps, values, tokens = _aligned(setting.jobs, key)
+            if key == "rollout/reward":
+                window = max(1, len(steps) // 15)
+                values = moving_average(values, window)
+            means[col].append(values.mean(0))
             _band(axes[0, col], steps, values, setting.label, colors(i % 10))
             if len(tokens):
                 _band(axes[1, col], tokens, values, setting.label, colors(i % 10))
-    for col, name in enumerate(("held-out greedy accuracy", "rollout reward")):
+    names = (
+        "held-out greedy accuracy",
+        f"rollout reward (mean of {window} steps)" if window > 1 else "rollout reward",
+    )
+    for col, name in enumerate(names):
         axes[0, col].set_xlabel("RL step")
         axes[1, col].set_xlabel("generated tokens")
+        if means[col]:
+            low, high = min(m.min() for m in means[col]), max(m.max() for m in means[col])
+            pad = 0.15 * (high - low) or 0.05
+            axes[0, col].set_ylim(low - pad, high + pad)
         for row in range(2):
             axes[row, col].set_ylabel(name)
             axes[row, col].grid(alpha=0.3)
