@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
-from loorl.ablation import Job, accuracy_auc, group_settings, mean_ci
+from loorl.ablation import Job, accuracy_auc, group_settings, mean_ci, moving_average
 from wandb_records import run_info
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,6 +31,12 @@ def test_mean_ci_by_hand():
 def test_accuracy_auc_by_hand():
     assert accuracy_auc(np.array([0, 10, 20]), np.array([0.0, 0.5, 0.5])) == pytest.approx(7.5 / 20)
     assert accuracy_auc(np.array([20, 0, 10]), np.array([0.5, 0.0, 0.5])) == pytest.approx(7.5 / 20)
+
+
+def test_moving_average_by_hand():
+    values = np.array([[1.0, 3.0, 5.0, 7.0], [0.0, 0.0, 4.0, 4.0]])
+    assert moving_average(values, 2).tolist() == [[1.0, 2.0, 4.0, 6.0], [0.0, 0.0, 2.0, 4.0]]
+    assert moving_average(values, 1).tolist() == values.tolist()
 
 
 def job(*overrides: str) -> Job:
