@@ -1,13 +1,14 @@
-"""Run a named ablation as a Hydra multirun and turn it into an answer (README "Ablations").
+"""Run a named ablation as a Hydra multirun and turn it into an answer (README "Research workflow").
 
     python scripts/ablate.py estimators --seeds 3 --steps 150 [hydra overrides ...]
-    python scripts/ablate.py --from outputs/multirun/2026-11-22/10-00-00 [--name my_sweep]
+    python scripts/ablate.py [title] --from outputs/multirun/2026-11-22/10-00-00 [more sweep folders]
 
 The first runs `python src/train.py -m ablation=NAME seed=0,..,N-1 rl.steps=S` with its sweep folder
 at `<out>/runs` (out: `outputs/ablations/NAME`), then writes `<out>/table.md` (each setting's final,
 best and mean held-out accuracy, reward, KL, generated tokens and wall time: mean ± 95% CI over
 seeds), `<out>/table.json` and `<out>/curves.png`. `--from` reads finished multirun folders instead
-(any sweep: settings are told apart by the overrides that differ between its jobs).
+(any sweep: settings are told apart by the overrides that differ between its jobs); the name is
+then the table's title and the default output folder's name.
 """
 
 from __future__ import annotations

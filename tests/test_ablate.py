@@ -134,3 +134,18 @@ def test_the_sweep_is_one_wandb_group_of_offline_runs(sweep):
 def test_bad_arguments_are_one_line(args, message):
     done = subprocess.run(ABLATE + args, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and message in done.stderr
+
+
+def test_the_kl_ablation_sweeps_its_setting_bundles(model_cache, tmp_path):
+    """A sweep over a config group (`+ablation/kl_settings`), run for real: every bundle is a setting,
+    and only those with a reference model have a KL."""
+    out = tmp_path / "kl"
+    command = ABLATE + ["kl", "--seeds", "1", "--steps", "1", "--out", str(out), "debug=quick",
+                        f"model.cache_dir={model_cache}", "val_pass_k=0",
+                        "trainer.enable_progress_bar=false"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {r["setting"]: r["metrics"]["kl"]["mean"] for r in json.loads((out / "table.json").read_text())}
+    assert list(rows) == ["none", "reward_k1", "loss_k2", "loss_k3"]
+    assert math.isnan(rows["none"])
+    assert all(math.isfinite(rows[s]) for s in ("reward_k1", "loss_k2", "loss_k3"))

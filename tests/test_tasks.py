@@ -317,3 +317,27 @@ def test_chat_arithmetic_bad_settings_are_one_line_errors(make_config, override,
         task = instantiate_unwrapped(cfg.task)
         task.prepare(chat_tokenizer(), max_prompt_length=cfg.rollout.max_prompt_length)
     assert named in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_arithmetic_offset_shifts_every_reward_but_not_correctness(make_config):
+    task = instantiate_unwrapped(make_config("task=arithmetic_offset").task)
+    plain = instantiate_unwrapped(make_config().task)
+    (prompt,) = task.eval_prompts()[:1]
+    right, wrong = prompt.answer, str(int(prompt.answer) + 1)
+    assert task.grade(prompt, right) == (2.0, True) and task.grade(prompt, wrong) == (1.0, False)
+    assert plain.grade(prompt, right) == (1.0, True) and plain.grade(prompt, wrong) == (0.0, False)
+    assert task.eval_prompts() == plain.eval_prompts()  # the same problems, only the reward moves
+    assert task.extract_answer(prompt, f" {right} ") == right and task.extract_answer(prompt, "  ") is None
+
+
+def test_extracted_answers_of_the_data_tasks(data_config, gsm8k_dir, math_dir, tmp_path):
+    gsm8k = instantiate(data_config(tmp_path, tmp_path, "task=gsm8k", f"data.path={gsm8k_dir}").task)
+    prompt = gsm8k.eval_prompts()[0]
+    assert gsm8k.extract_answer(prompt, "so 3 + 4 = 7\n#### 7") == "7"
+    assert gsm8k.extract_answer(prompt, "no marker here") is None
+    math_task = instantiate(data_config(tmp_path, tmp_path, "task=math", f"data.path={math_dir}").task)
+    prompt = math_task.eval_prompts()[0]
+    assert math_task.extract_answer(prompt, r"thus \boxed{\frac{1}{2}}") == math_task.extract_answer(
+        prompt, r"\boxed{\frac12}"
+    )
+    assert math_task.extract_answer(prompt, "no box") is None

@@ -2,7 +2,7 @@
 
 `task=arithmetic_offset` is the same task with every reward shifted by a constant (`reward_offset`),
 as a reward model's scores are, whose zero point is arbitrary: leave-one-out and group-mean baselines
-are blind to the shift, REINFORCE without a baseline is not (README "Ablations")."""
+are blind to the shift, REINFORCE without a baseline is not (README "Research workflow")."""
 
 from __future__ import annotations
 
@@ -54,13 +54,17 @@ class ArithmeticTask(Task):
     def eval_prompts(self) -> list[Prompt]:
         return [self._prompt(a, b) for a, b in self._eval_pairs]
 
-    def reward(self, prompt: Prompt, completion: str) -> float | None:
-        return self.grade(prompt, completion)[0]
+    def is_exact(self, prompt: Prompt, completion: str) -> bool:
+        return self.extract_answer(prompt, completion) == prompt.answer
 
-    def grade(self, prompt: Prompt, completion: str) -> tuple[float, bool]:
-        """Correct for the exact sum; the reward is 1 + offset for it, the offset otherwise."""
-        correct = self.extract_answer(prompt, completion) == prompt.answer
-        return float(correct) + self.reward_offset, correct
+    def reward(self, prompt: Prompt, completion: str) -> float | None:
+        """1 + offset for the exact sum, the offset otherwise."""
+        return float(self.is_exact(prompt, completion)) + self.reward_offset
+
+    def grade(self, prompt: Prompt, completion: str) -> tuple[float | None, bool]:
+        """The reward (a subclass's `reward` included), and correct for the exact sum: with an
+        offset a wrong answer's reward is positive too."""
+        return self.reward(prompt, completion), self.is_exact(prompt, completion)
 
 
 class ChatArithmeticTask(ArithmeticTask):
