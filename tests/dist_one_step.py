@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 
 from loorl.config import check_config, compose_config
 from loorl.console import quiet_library_output
-from loorl.distributed import rank_and_world, rank_block
+from loorl.distributed import rank_and_world, rank_block, shutdown
 from loorl.fsdp import full_state_dict, is_sharded
 from loorl.models import load_causal_lm, load_tokenizer, resolve_model_path
 from loorl.rewards import Graded
@@ -152,6 +152,7 @@ def main() -> None:
         out["kl_coef"] = module.kl_controller.value
         out["rollout_stats"], out["collected_stats"] = stats, collected
         torch.save(out, args.out)
+    shutdown()
 
 
 if __name__ == "__main__":

@@ -75,3 +75,12 @@ def check_world_divides(prompts_per_step: int, prompts_per_minibatch: int, world
                 f"{key}={n} does not split into whole prompt groups over {world} processes ({where}): "
                 f"set {key} to a multiple of {world}"
             )
+
+
+def shutdown() -> None:
+    """End a multi-process run's process group in order: every rank waits for the others, then
+    destroys it. Left to interpreter exit, gloo's threads were seen to abort a rank after a run that
+    had succeeded ("terminate called without an active exception", exit -6), under CPU contention."""
+    if is_distributed():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -22,6 +22,7 @@ from loorl.checkpoints import (
 )
 from loorl.config import Settings, check_config, load_settings, strategy_kind
 from loorl.console import ProgressLines, run_cli
+from loorl.distributed import shutdown
 from loorl.errors import ConfigError
 from loorl.models import load_tokenizer, model_identity, model_label, resolve_model_path
 from loorl.module import PolicyGradientModule
@@ -177,7 +178,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume.path if resume else None)
     finally:
         finish_loggers(loggers)
-    return summary.summary(trainer)
+    result = summary.summary(trainer)
+    shutdown()
+    return result
 
 
 def finish_loggers(loggers: list) -> None:
