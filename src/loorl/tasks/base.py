@@ -48,6 +48,22 @@ class Task(ABC):
         r = self.reward(prompt, completion)
         return r, r is not None and not math.isnan(r) and r > 0
 
+    def grade_many(
+        self, prompts: list[Prompt], completions: list[str]
+    ) -> tuple[list[float | None], list[bool], Exception | None]:
+        """`grade` over a batch: (rewards, correct, the first error). A sample whose verifier raises gets
+        reward None (unscorable) and counts as not correct. Tasks whose verifier is costly per call
+        (running code) override this to work on the batch at once."""
+        rewards, correct, first = [], [], None
+        for p, c in zip(prompts, completions):
+            try:
+                r, ok = self.grade(p, c)
+            except Exception as err:  # noqa: BLE001 - a verifier may raise on odd text
+                r, ok, first = None, False, first or err
+            rewards.append(r)
+            correct.append(bool(ok))
+        return rewards, correct, first
+
     def extract_answer(self, prompt: Prompt, completion: str) -> str | None:
         """The completion's final answer as a normalised string, for majority voting (maj@k); None when
         it has none. Default: the stripped completion."""
