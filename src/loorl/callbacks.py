@@ -122,6 +122,15 @@ class RunSummary(L.Callback):
                         f"{pct(s[key + '_start'])} -> {pct(s[key + '_end'])}",
                     )
                 )
+        for source in sorted(
+            k.removeprefix("val/accuracy/") for k in self.history if k.startswith("val/accuracy/")
+        ):
+            acc = self.series(f"val/accuracy/{source}")
+            reward = self.series(f"rollout/reward/{source}")
+            window = max(1, min(10, len(reward) // 5))
+            rows.append((f"{source}: held-out accuracy; reward (first -> last steps)",
+                         f"{pct(acc[0])} -> {pct(acc[-1])}; "
+                         f"{num(_mean(reward[:window]))} -> {num(_mean(reward[-window:]))}"))  # fmt: skip
         rows += [
             ("reward (first -> last steps)", f"{num(s['reward_first'])} -> {num(s['reward_last'])}"),
             ("KL to reference (last step)", num(s["kl_last"], ".4f")),

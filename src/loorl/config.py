@@ -92,10 +92,13 @@ def check_config(cfg: DictConfig) -> Settings:
 
     Each section checks itself (`loorl.settings`); here are only the rules that span sections and
     the checks that look outside the config (files, the hub, installed packages)."""
-    if "data" in cfg and OmegaConf.is_missing(cfg.data, "path"):
+    if "data" in cfg and "path" in cfg.data and OmegaConf.is_missing(cfg.data, "path"):
         raise ConfigError(
             f"data.path is not set: point it at the {cfg.task.name} data (data.path=/path/to/file_or_dir)"
         )
+    for name, source in ((cfg.get("data") or {}).get("sources") or {}).items():  # task=mix
+        if OmegaConf.is_missing(source, "path"):
+            raise ConfigError(f"data.sources.{name}.path is not set: point it at the {name} data")
     try:
         s = load_settings(cfg)
     except InterpolationResolutionError as err:  # e.g. a model file without a recipe key

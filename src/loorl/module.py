@@ -93,6 +93,7 @@ class PolicyGradientModule(L.LightningModule):
         self.val_metrics = torch.nn.ModuleDict(
             {name: MeanMetric(nan_strategy="ignore") for name in VALIDATION_METRICS.values()}
         )
+        self.val_source_accuracy = torch.nn.ModuleDict()  # task=mix: source name -> MeanMetric
         self._grad_norms: list[float] = []
 
     # ---- models --------------------------------------------------------------------------------
@@ -248,6 +249,16 @@ class PolicyGradientModule(L.LightningModule):
             metric.update(results[key].float())
             self.log(f"val/{name}", metric, on_step=False, on_epoch=True, batch_size=n,
                      prog_bar=name == "accuracy")  # fmt: skip
+        for source in results.get("source_names") or []:  # task=mix: accuracy per source as well
+            if source not in self.val_source_accuracy:  # every source on every rank: synced alike
+                self.val_source_accuracy[source] = MeanMetric(nan_strategy="ignore").to(self.device)
+            rows = torch.tensor([s == source for s in results["sources"]])  # [n]
+            if rows.any():
+                metric = self.val_source_accuracy[source]
+                metric.update(results["correct"][rows.to(results["correct"].device)].float())
+                self.log(f"val/accuracy/{source}", metric, on_step=False, on_epoch=True,
+                         batch_size=int(rows.sum()),
+                         metric_attribute=f"val_source_accuracy.{source}")  # fmt: skip
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:

@@ -193,7 +193,23 @@ class RolloutDataModule(L.LightningDataModule):
         lengths = torch.tensor([[len(c.token_ids) for c in g] for g in groups], dtype=torch.float)  # [B, K]
         everyone = gather_graded(graded, lengths, finished)  # the whole step's, over all ranks
         stats = rollout_stats(*everyone, gen_seconds=float(all_reduce(gen_seconds, "max")))
+        stats |= self.source_stats(prompts, everyone[0])
         return Rollout(step=step, batch=batch, stats=stats)
+
+    def source_stats(self, prompts: list[Prompt], graded: Graded) -> dict[str, float]:
+        """Per-source reward and accuracy of a mixed-source step (`task=mix`); {} for one source.
+        `graded`: the whole step's (every rank's prompts, in rank order)."""
+        names = getattr(self.task, "source_names", None)
+        if not names:
+            return {}
+        index = gather_rows(torch.tensor([names.index(p.meta["source"]) for p in prompts]))  # [W*B]
+        stats = {}
+        for i, name in enumerate(names):
+            rows = index == i  # [W*B]
+            if rows.any():
+                stats[f"rollout/reward/{name}"] = float(graded.rewards[rows].nanmean())
+                stats[f"rollout/accuracy/{name}"] = float(graded.correct[rows].mean())
+        return stats
 
     def train_dataloader(self) -> DataLoader:
         """One item: this epoch's rollout, collected when the loop fetches it."""
@@ -236,6 +252,8 @@ class RolloutDataModule(L.LightningDataModule):
             "reward": graded.rewards.view(-1),  # [n]
             "pass_k": None,
             "maj_k": None,
+            "sources": [p.meta.get("source") for p in prompts],  # task=mix: each prompt's source
+            "source_names": getattr(self.task, "source_names", None),
         }
         if self.pass_k > 0:
             step = self.trainer.global_step if self.trainer is not None else 0
