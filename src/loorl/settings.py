@@ -177,6 +177,7 @@ class VLLMSettings(Section):
     tensor_parallel_size: PositiveInt = 1
     enforce_eager: bool = False
     sleep_level: Literal[1, 2] | None = 1
+    chunked_prefill: bool | None = None  # None: on with CUDA, off on CPU (see conf/rollout/vllm.yaml)
 
 
 @dataclass(frozen=True, config=SCHEMA)

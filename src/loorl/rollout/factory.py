@@ -65,6 +65,7 @@ def build_engine(
             tensor_parallel_size=v.tensor_parallel_size,
             enforce_eager=v.enforce_eager,
             sleep_level=sleep_level,
+            chunked_prefill=v.chunked_prefill if v.chunked_prefill is not None else cuda_available(),
             **ids,
         )
     raise ConfigError(f"rollout.engine={name!r} is not one of: hf, vllm, auto")

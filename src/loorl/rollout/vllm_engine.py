@@ -48,6 +48,7 @@ class VLLMEngine(RolloutEngine):
         tensor_parallel_size: int = 1,
         enforce_eager: bool = False,
         sleep_level: int | None = None,
+        chunked_prefill: bool = True,
     ) -> None:
         super().__init__(sampling, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
         self.model_path, self.dtype, self.seed = model_path, dtype, seed
@@ -59,6 +60,11 @@ class VLLMEngine(RolloutEngine):
         }
         if kv_cache_memory_gb is not None:
             self.llm_kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_gb * 2**30)
+        if not chunked_prefill:  # whole prompts per step: the budget must hold the longest one
+            self.llm_kwargs |= {
+                "enable_chunked_prefill": False,
+                "max_num_batched_tokens": max(max_model_len, 8192),
+            }
         self.sleep_level = sleep_level
         self.llm = None
         self.asleep = False

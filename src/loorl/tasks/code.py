@@ -201,6 +201,8 @@ class CodeTask(Task):
             return f"{code}\n\n{problem.tests}\nprint({token!r})\n"
         if self.style == "continuation" or f"def {problem.entry_point}" not in code:
             code = problem.prompt + code  # the stub, then its body
+        else:  # a whole function: after the stub's imports and helpers (what precedes its def)
+            code = problem.prompt[: problem.prompt.find(f"def {problem.entry_point}")] + code
         return f"{code}\n\n{problem.tests}\n\ncheck({problem.entry_point})\nprint({token!r})\n"
 
     def _score(self, result: sandbox.SandboxResult, token: str) -> tuple[float | None, bool]:
