@@ -46,16 +46,17 @@ def test_results_say_how_the_program_ended():
 
 
 def test_the_program_is_not_root_and_writes_only_in_its_folder():
+    escape = Path(f"/etc/loorl-escape-{os.getpid()}")  # this run's own name: nothing left by another
     result = sandbox.run(
         "import os\n"
         "print(os.getuid(), os.getcwd(), os.environ['HOME'])\n"
         "open('mine.txt', 'w').write('ok')\n"
-        "try:\n    open('/etc/loorl-escape', 'w')\nexcept PermissionError:\n    print('no /etc')\n"
+        f"try:\n    open({str(escape)!r}, 'w')\nexcept PermissionError:\n    print('no /etc')\n"
     )
     assert result.passed, result.stderr
     uid, cwd, home = result.stdout.splitlines()[0].split()
     assert int(uid) >= sandbox.UID_BASE and cwd == home == sandbox.WORKDIR
-    assert result.stdout.splitlines()[1] == "no /etc" and not Path("/etc/loorl-escape").exists()
+    assert result.stdout.splitlines()[1] == "no /etc" and not escape.exists()
 
 
 def test_an_infinite_loop_is_stopped_at_the_wall_time():

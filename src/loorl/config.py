@@ -92,7 +92,9 @@ def check_config(cfg: DictConfig) -> Settings:
 
     Each section checks itself (`loorl.settings`); here are only the rules that span sections and
     the checks that look outside the config (files, the hub, installed packages)."""
-    if "data" in cfg and "path" in cfg.data and OmegaConf.is_missing(cfg.data, "path"):
+    if (
+        "data" in cfg and "path" in cfg.data.keys() and OmegaConf.is_missing(cfg.data, "path")
+    ):  # `in` skips ???
         raise ConfigError(
             f"data.path is not set: point it at the {cfg.task.name} data (data.path=/path/to/file_or_dir)"
         )
