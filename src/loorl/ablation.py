@@ -127,14 +127,14 @@ def accuracy_auc(steps: np.ndarray, acc: np.ndarray) -> float:
 
 def job_metrics(job: Job) -> dict[str, float]:
     steps, acc = job.series("val/accuracy")
-    s = job.summary
+    s, tokens = job.summary, job.cumulative_tokens()
     return {
         "final_accuracy": float(acc[np.argmax(steps)]) if len(acc) else float("nan"),
         "best_accuracy": float(acc.max()) if len(acc) else float("nan"),
         "accuracy_auc": accuracy_auc(steps, acc),
         "final_reward": float(s.get("reward_last", float("nan"))),
         "kl": float(s.get("kl_last", float("nan"))),
-        "gen_tokens": float(job.cumulative_tokens()[-1]) if len(job.cumulative_tokens()) else float("nan"),
+        "gen_tokens": float(tokens[-1]) if len(tokens) else float("nan"),
         "wall_seconds": float(s.get("wall_seconds", float("nan"))),
     }
 
