@@ -125,12 +125,15 @@ def token_entropy(
 
 
 # ---- a model's log-probs of a rollout's completions ------------------------------------------------
-def completion_logits(model, batch: RolloutBatch) -> torch.Tensor:
-    """Logits at the positions that predict each completion token.
+def completion_logits(model, batch: RolloutBatch, *, share_prompt: bool = False) -> torch.Tensor:
+    """Logits [N, C, V] at the positions that predict each completion token.
 
     Position ids come from the attention mask: with left padding, the default 0..L-1 positions
     would differ from those the sampler used. Only the last C+1 positions' logits are computed.
+    `share_prompt`: each group's prompt runs once (`shared_prompt_logits`), same values and gradients.
     """
+    if share_prompt and can_share_prompt(model, batch):
+        return shared_prompt_logits(model, batch)
     c_len = batch.completion_ids.shape[1]
     out = model(
         input_ids=batch.input_ids,
@@ -142,18 +145,69 @@ def completion_logits(model, batch: RolloutBatch) -> torch.Tensor:
     return out.logits[:, :-1]  # [N, C, V]
 
 
+def can_share_prompt(model, batch: RolloutBatch) -> bool:
+    """Groups of more than one row, a prompt to share, and a model whose forward keeps its key/value
+    cache (transformers turns the cache off under gradient checkpointing in training mode)."""
+    checkpointing = getattr(model, "is_gradient_checkpointing", False) and model.training
+    return batch.group_size > 1 and batch.prompt_len > 0 and not checkpointing
+
+
+def shared_prompt_logits(model, batch: RolloutBatch) -> torch.Tensor:
+    """`completion_logits` with each group's prompt run once instead of K times.
+
+    The K rows of a group hold the same left-padded prompt (`rollout.batch.assemble`), so its
+    key/value states are the same in every row: the prompt runs once per group, its cache is
+    repeated K times, and the completions run on top of it. The logits equal the full forward's
+    up to float rounding, and so do the gradients: they flow through the repeated cache into the
+    one prompt pass (summed over the K rows, as the full forward sums them). The forward then
+    costs G*P + N*C tokens instead of N*(P + C); with K=4 and prompts twice the completions'
+    length, 2.5x fewer. Written here because transformers shares a prefix only at generation.
+    """
+    from transformers import DynamicCache
+
+    k, p_len = batch.group_size, batch.prompt_len
+    positions = batch.position_ids  # [N, P + C]
+    cache = DynamicCache(config=model.config)
+    prompt = model(
+        input_ids=batch.input_ids[::k, :p_len],  # [G, P] one row per group
+        attention_mask=batch.attention_mask[::k, :p_len],
+        position_ids=positions[::k, :p_len],
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    first = prompt.logits.repeat_interleave(k, dim=0)  # [N, 1, V] predicts completion token 0
+    if batch.input_ids.shape[1] - p_len == 1:
+        return first
+    cache.batch_repeat_interleave(k)  # [G, ...] -> [N, ...], differentiable
+    rest = model(
+        input_ids=batch.input_ids[:, p_len:-1],  # [N, C-1] completion tokens 0..C-2
+        attention_mask=batch.attention_mask[:, :-1],  # [N, P + C-1] the prompt, then the completion
+        position_ids=positions[:, p_len:-1],
+        past_key_values=cache,
+        use_cache=True,
+    )
+    return torch.cat([first, rest.logits], dim=1)  # [N, C, V]
+
+
 def completion_logprobs(
-    model, batch: RolloutBatch, *, sampling: SamplingConfig, groups_per_pass: int | None = None
+    model,
+    batch: RolloutBatch,
+    *,
+    sampling: SamplingConfig,
+    groups_per_pass: int | None = None,
+    share_prompt: bool = False,
 ) -> torch.Tensor:
     """log pi(y_t | x, y_<t) [N, C] under the sampler's distribution (temperature, top-k, top-p).
 
     The model runs on `groups_per_pass` whole groups at a time (all at once when None), so the
     [n, C, V] logits of only one pass are alive: a whole rollout's logits are the memory peak with
     large vocabularies (512 x 513 x 152k bf16 logits are 80 GB). Padding positions are garbage.
+    `share_prompt`: see `shared_prompt_logits`.
     """
     parts = []
     for sub in batch.group_chunks(groups_per_pass):
-        logits = completion_logits(model, sub)  # [n, C, V]
+        logits = completion_logits(model, sub, share_prompt=share_prompt)  # [n, C, V]
         parts.append(token_logprobs(logits, sub.completion_ids, **sampling.truncation))  # [n, C]
         del logits
     return torch.cat(parts)  # [N, C]

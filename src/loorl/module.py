@@ -136,7 +136,11 @@ class PolicyGradientModule(L.LightningModule):
 
         Returns the batch with them filled in, and the rollout metrics they give. Advances the KL
         controller with the measured KL."""
-        score = {"sampling": self.sampling, "groups_per_pass": self.rl.prompts_per_microbatch}
+        score = {
+            "sampling": self.sampling,
+            "groups_per_pass": self.rl.prompts_per_microbatch,
+            "share_prompt": self.rl.share_prompt,
+        }
         off_policy = self.rl.steps_per_rollout > 1
         policy_logprobs = None  # [N, C] the trained policy's, where they can differ from the sampler's
         if off_policy or (self.reference is not None and not self.sampler_logprobs_exact):
@@ -212,7 +216,7 @@ class PolicyGradientModule(L.LightningModule):
         truncation = self.sampling.truncation  # the sampler's temperature, top-k, top-p
         stats = LossStats()
         for sub in batch.group_chunks(self.rl.prompts_per_microbatch):
-            logits = completion_logits(self.policy, sub)  # [n, C, V]
+            logits = completion_logits(self.policy, sub, share_prompt=self.rl.share_prompt)  # [n, C, V]
             logp = token_logprobs(logits, sub.completion_ids, **truncation)  # [n, C]
             loss, micro = policy_loss(
                 logp,

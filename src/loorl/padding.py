@@ -21,13 +21,13 @@ def pad(
 
     Returns the values [n, width] and a long mask [n, width] that is 1 on the rows' own entries.
     """
-    width = max((len(r) for r in rows), default=0) if width is None else width
+    lengths = torch.tensor([len(r) for r in rows], dtype=torch.long)  # [n]
+    width = int(lengths.max()) if width is None and len(rows) else (width or 0)
     values = torch.full((len(rows), width), value, dtype=dtype)  # [n, W]
-    mask = torch.zeros(len(rows), width, dtype=torch.long)  # [n, W]
-    for i, row in enumerate(rows):
-        if not len(row):
-            continue
-        cols = slice(width - len(row), width) if side == "left" else slice(0, len(row))
-        values[i, cols] = torch.tensor(row, dtype=dtype)
-        mask[i, cols] = 1
+    cols = torch.arange(width).expand(len(rows), width)  # [n, W]
+    start = width - lengths if side == "left" else torch.zeros_like(lengths)  # [n] first own column
+    mask = ((cols >= start[:, None]) & (cols < (start + lengths)[:, None])).long()  # [n, W]
+    flat = [v for r in rows for v in r]  # one tensor from all rows (a tensor per row is the slow part)
+    if flat:
+        values[mask.bool()] = torch.tensor(flat, dtype=dtype)  # row-major order = each row's own order
     return values, mask

@@ -91,6 +91,7 @@ class RLSettings(Section):
     prompts_per_minibatch: PositiveInt = 32  # whole groups per optimizer step
     prompts_per_microbatch: PositiveInt = 32  # whole groups per forward/backward (and no-grad pass)
     epochs_per_rollout: PositiveInt = 1
+    share_prompt: bool = True  # each group's prompt runs once in generation and training passes
 
     def __post_init__(self) -> None:
         if self.prompts_per_step % self.prompts_per_minibatch:

@@ -40,7 +40,12 @@ def build_datamodule(
     the DataModule's eval_samples, eval_split and eval_limit (src/eval.py)."""
     s = s or load_settings(cfg)
     engine = build_engine(
-        s.rollout, tokenizer, model_path=model_path, model_dtype=s.model.dtype, seed=s.run.seed
+        s.rollout,
+        tokenizer,
+        model_path=model_path,
+        model_dtype=s.model.dtype,
+        seed=s.run.seed,
+        share_prompt=s.rl.share_prompt,
     )
     return RolloutDataModule(
         task=task,

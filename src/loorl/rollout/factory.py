@@ -36,7 +36,13 @@ def resolve_engine(name: str) -> tuple[str, str]:
 
 
 def build_engine(
-    rollout: RolloutSettings, tokenizer, *, model_path: str, model_dtype: str, seed: int
+    rollout: RolloutSettings,
+    tokenizer,
+    *,
+    model_path: str,
+    model_dtype: str,
+    seed: int,
+    share_prompt: bool = True,
 ) -> RolloutEngine:
     """The engine, unbuilt where building is costly (vLLM starts at the first sync)."""
     name, reason = resolve_engine(rollout.engine)
@@ -46,7 +52,13 @@ def build_engine(
     if name == "hf":
         from loorl.rollout.hf_engine import HFEngine
 
-        return HFEngine(sampling, batch_size=rollout.batch_size, **ids)
+        return HFEngine(
+            sampling,
+            batch_size=rollout.batch_size,
+            share_prompt=share_prompt,
+            compute_dtype=model_dtype,
+            **ids,
+        )
     if name == "vllm":
         if not vllm_installed():
             raise ConfigError(f"rollout.engine=vllm needs the vllm package: {VLLM_INSTALL_HINT}")

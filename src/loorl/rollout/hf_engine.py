@@ -12,7 +12,7 @@ model's own generation config swapped for an empty one, and every setting passed
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -40,10 +40,22 @@ class HFEngine(RolloutEngine):
 
     SCORES_BUDGET_BYTES = 1 << 30  # the sampler's float32 scores kept per generate call (see rows_per_call)
 
-    def __init__(self, sampling: SamplingConfig, *, batch_size: int = 512, **token_ids: int | list[int]):
-        """`token_ids`: the base engine's `eos_token_ids` and `pad_token_id`."""
+    def __init__(
+        self,
+        sampling: SamplingConfig,
+        *,
+        batch_size: int = 512,
+        share_prompt: bool = True,
+        compute_dtype: str | None = None,
+        **token_ids: int | list[int],
+    ):
+        """`token_ids`: the base engine's `eos_token_ids` and `pad_token_id`. `share_prompt`: a
+        prompt's n samples share one prefill (`shared_prefill`). `compute_dtype`: model.dtype; when
+        it is below the policy's weights (bf16 compute over float32 master weights) generation runs
+        under autocast, as training does."""
         super().__init__(sampling, **token_ids)
         self.batch_size = batch_size  # sequences per generate call (memory bound)
+        self.share_prompt, self.compute_dtype = share_prompt, compute_dtype
         self.model = None
         self.unsharded = False
 
@@ -113,13 +125,20 @@ class HFEngine(RolloutEngine):
         flat = [ids for ids in prompt_ids for _ in range(n)]  # prompt-major: rows g*n..g*n+n-1
         out: list[Completion] = []
         rows = self.rows_per_call(greedy, self.model.config.vocab_size)
+        share = self.share_prompt and n > 1
+        if share:
+            rows = max(n, rows // n * n)  # whole groups per call, so that each shares its prefill
         for start in range(0, len(flat), rows):
             chunk = flat[start : start + rows]
             ids, mask = pad(chunk, value=self.pad_token_id, side="left")  # [b, P], [b, P]
+            ids, mask = ids.to(device), mask.to(device)
             width = ids.shape[1]
-            with _clean_generation_defaults(self.model):
+            with _clean_generation_defaults(self.model), self.autocast(device):
+                cache = {}
+                if share and width > 1:
+                    cache["past_key_values"] = shared_prefill(self.model, ids[::n], mask[::n], n)
                 res = self.model.generate(
-                    input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config
+                    input_ids=ids, attention_mask=mask, generation_config=config, **cache
                 )
             tokens = res.sequences[:, width:]  # [b, C]
             if greedy:  # log-probs of a greedy decode are not used: zeros
@@ -139,3 +158,33 @@ class HFEngine(RolloutEngine):
         if was_training:
             self.model.train()
         return [out[g * n : (g + 1) * n] for g in range(len(prompt_ids))]
+
+    def autocast(self, device: torch.device):
+        """bf16 (or fp16) autocast when the compute dtype is below the weights' dtype, else nothing."""
+        from loorl.models import torch_dtype
+
+        if self.compute_dtype is None:
+            return nullcontext()
+        dtype = torch_dtype(self.compute_dtype)
+        if dtype == next(self.model.parameters()).dtype:
+            return nullcontext()
+        return torch.autocast(device.type, dtype=dtype)
+
+
+def shared_prefill(model, ids: torch.Tensor, mask: torch.Tensor, n: int):
+    """The key/value cache of each prompt's first P-1 tokens, computed once and repeated n times.
+
+    `ids`, `mask` [g, P]: one left-padded row per prompt. `generate` given this cache for the n*g
+    expanded rows runs only their last prompt token and then decodes; the samples are those of a
+    plain call with the same seed (the cache holds the same values). transformers' `generate`
+    expands `num_return_sequences` before the prefill, so it would prefill every prompt n times.
+    """
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    head, head_mask = ids[:, :-1], mask[:, :-1]  # [g, P-1]
+    positions = (head_mask.cumsum(-1) - 1).clamp(min=0)  # [g, P-1] left padding does not shift them
+    model(input_ids=head, attention_mask=head_mask, position_ids=positions, past_key_values=cache,
+          use_cache=True, logits_to_keep=1)  # fmt: skip
+    cache.batch_repeat_interleave(n)  # [g, ...] -> [g*n, ...]
+    return cache
