@@ -12,9 +12,11 @@ import time
 from pathlib import Path
 
 import lightning as L
+import numpy as np
 from lightning.pytorch.utilities import rank_zero_only
 
 from loorl.fsdp import full_state_dict, is_sharded, unwrapped_class
+from loorl.profiling import PHASES
 
 log = logging.getLogger("loorl")
 
@@ -101,6 +103,9 @@ class RunSummary(L.Callback):
         out["val_maj_at_k_start"] = maj_k[0] if maj_k else float("nan")
         out["val_maj_at_k_end"] = maj_k[-1] if maj_k else float("nan")
         out["gen_tokens"] = sum(self.series("rollout/gen_tokens"))
+        for phase in ("step", *PHASES):  # medians: the first steps pay one-off costs (allocation, caches)
+            values = self.series(f"perf/{phase}_seconds")
+            out[f"{phase}_seconds"] = float(np.median(values)) if values else float("nan")
         return out
 
     def markdown(self, s: dict[str, float]) -> str:
@@ -139,6 +144,11 @@ class RunSummary(L.Callback):
             ("generation tokens/s", num(s["gen_tokens_per_s"], ".0f")),
             ("training tokens/s", num(s["train_tokens_per_s"], ".0f")),
         ]
+        if not math.isnan(s["step_seconds"]):
+            parts = ", ".join(
+                f"{p} {s[p + '_seconds']:.2f}" for p in PHASES if not math.isnan(s[p + "_seconds"])
+            )
+            rows.append(("seconds per step (median): whole; phases", f"{s['step_seconds']:.2f}; {parts}"))
         lines = [f"## {self.title}", "", "| metric | value |", "| --- | --- |"]
         lines += [f"| {k} | {v} |" for k, v in rows]
         return "\n".join(lines) + "\n"

@@ -32,6 +32,7 @@ from loorl.distributed import all_reduce, gather_rows, rank_and_world
 from loorl.logprobs import completion_logits, completion_logprobs, token_entropy, token_logprobs
 from loorl.losses import AdaptiveKLController, FixedKLController, LossStats, policy_loss, sequence_kl
 from loorl.models import FrozenReference, load_causal_lm
+from loorl.profiling import PhaseClock
 from loorl.rollout.batch import Rollout, RolloutBatch
 from loorl.rollout.engine import SamplingConfig
 from loorl.settings import EstimatorSettings, KLSettings, LossSettings, ModelSettings, RLSettings
@@ -95,6 +96,7 @@ class PolicyGradientModule(L.LightningModule):
         )
         self.val_source_accuracy = torch.nn.ModuleDict()  # task=mix: source name -> MeanMetric
         self._grad_norms: list[float] = []
+        self.clock = PhaseClock()  # perf/<phase>_seconds of each step (loorl.profiling)
 
     # ---- models --------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -172,14 +174,17 @@ class PolicyGradientModule(L.LightningModule):
 
         With W data-parallel ranks, `rollout` holds this rank's B/W groups; each global mini-batch
         is M/W groups from every rank (`minibatch_groups`), normalised by the global counts."""
-        batch, rollout_metrics = self.prepare(rollout.batch)
+        clock = self.clock
+        with clock.phase("prepare"):
+            batch, rollout_metrics = self.prepare(rollout.batch)
         t0 = time.perf_counter()
         opt, stats = self.optimizers(), LossStats()
         world = rank_and_world()[1]
         for groups in minibatch_groups(self.rl, seed=self.seed, step=rollout.step, world_size=world):
             stats += self.accumulate_gradients(batch.select_groups(groups), self.manual_backward)
-            opt.step()  # clips in on_before_optimizer_step, after a 16-mixed loss scaler unscaled
-            opt.zero_grad(set_to_none=True)
+            with clock.phase("optimizer"):
+                opt.step()  # clips in on_before_optimizer_step, after a 16-mixed loss scaler unscaled
+                opt.zero_grad(set_to_none=True)
             stats += LossStats(steps=1)
         if self._grad_norms:
             stats += LossStats(grad_norm=sum(self._grad_norms))
@@ -191,6 +196,8 @@ class PolicyGradientModule(L.LightningModule):
         seconds = float(all_reduce(time.perf_counter() - t0, "max"))
         tokens = float(all_reduce(batch.attention_mask.sum()))  # all ranks'
         metrics["perf/train_tokens_per_s"] = tokens * self.rl.epochs_per_rollout / seconds
+        metrics["perf/train_tokens"] = tokens  # prompt and completion tokens of the step's rows
+        metrics |= self.step_timing(rollout.stats)
         loss = metrics.pop("train/loss")
         # Every metric is already the whole step's (reduced above, or by the DataModule), identical on
         # all ranks: logged without Lightning's sync_dist, which would average per-rank values.
@@ -216,21 +223,35 @@ class PolicyGradientModule(L.LightningModule):
         truncation = self.sampling.truncation  # the sampler's temperature, top-k, top-p
         stats = LossStats()
         for sub in batch.group_chunks(self.rl.prompts_per_microbatch):
-            logits = completion_logits(self.policy, sub, share_prompt=self.rl.share_prompt)  # [n, C, V]
-            logp = token_logprobs(logits, sub.completion_ids, **truncation)  # [n, C]
-            loss, micro = policy_loss(
-                logp,
-                sub,
-                settings=self.loss_settings,
-                kl_coef=kl_coef,
-                kl_estimator=self.kl.estimator,
-                **counts,
-            )
-            backward(loss * world if world > 1 else loss)
-            with torch.no_grad():
+            with self.clock.phase("forward"):  # the policy's pass and the loss on its logits
+                logits = completion_logits(self.policy, sub, share_prompt=self.rl.share_prompt)  # [n, C, V]
+                logp = token_logprobs(logits, sub.completion_ids, **truncation)  # [n, C]
+                loss, micro = policy_loss(
+                    logp,
+                    sub,
+                    settings=self.loss_settings,
+                    kl_coef=kl_coef,
+                    kl_estimator=self.kl.estimator,
+                    **counts,
+                )
+            with self.clock.phase("backward"):
+                backward(loss * world if world > 1 else loss)
+            with torch.no_grad(), self.clock.phase("entropy"):
                 entropy = token_entropy(logits.detach(), tokens=sub.completion_ids, **truncation)  # [n, C]
             stats += micro + LossStats(entropy=float((entropy * sub.completion_mask).sum()))
         return stats
+
+    def on_train_epoch_start(self) -> None:
+        self._step_started = time.perf_counter()  # before the loop fetches (and generates) the rollout
+
+    def step_timing(self, rollout_stats: dict[str, float]) -> dict[str, float]:
+        """This step's `perf/<phase>_seconds` (`loorl.profiling`), its whole time and the rest."""
+        phases = self.clock.pop()
+        for key in ("perf/gen_seconds", "perf/grade_seconds"):  # the DataModule's phases
+            if key in rollout_stats:
+                phases[key] = rollout_stats[key]
+        step = time.perf_counter() - getattr(self, "_step_started", time.perf_counter())
+        return phases | {"perf/step_seconds": step, "perf/other_seconds": step - sum(phases.values())}
 
     def on_before_optimizer_step(self, optimizer) -> None:
         """Gradient-norm clipping, where Lightning has already unscaled fp16 gradients."""

@@ -79,6 +79,7 @@ class RunSettings(Section):
     checkpoint_every: NonNegativeInt = 50  # 0: off
     checkpoint_keep: Annotated[int, Field(ge=-1)] = 2  # the newest periodic checkpoints kept; -1: all
     export_policy: bool = True
+    keep_freed_memory: bool = True  # glibc keeps freed memory for reuse (loorl.allocator)
 
 
 @dataclass(frozen=True, config=SCHEMA)
@@ -194,6 +195,7 @@ class RolloutSettings(Section):
     max_prompt_length: PositiveInt = 256
     batch_size: PositiveInt = 512
     eval_batch_size: PositiveInt = 256
+    hf_attention: Literal["auto", "model", "eager", "sdpa"] = "auto"  # the HF engine's attention
     vllm: VLLMSettings | None = None  # rollout=hf has no vllm block
 
     @property

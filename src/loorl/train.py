@@ -12,6 +12,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
+from loorl.allocator import keep_freed_memory
 from loorl.callbacks import EngineSync, GracefulStop, HFExport, RunSummary, SampleLog
 from loorl.checkpoints import (
     AtomicCheckpointIO,
@@ -117,6 +118,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     Resuming (`resume_from`: a checkpoint, or `auto` for the newest under `output_dir`) skips the
     step-0 validation, whose result is in the checkpoint with the rest of the run's history."""
     s = check_config(cfg)
+    if s.run.keep_freed_memory:
+        keep_freed_memory()
     output_dir = Path(cfg.output_dir)
     resume = resolve_resume(s.run.resume_from, output_dir, run_identity_of(cfg))  # checked, before loading
     output_dir.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,6 @@ synced the engine.
 
 from __future__ import annotations
 
-import time
 import zlib
 
 import lightning as L
@@ -33,6 +32,7 @@ from loorl.distributed import (
 from loorl.errors import ConfigError
 from loorl.evaluation import maj_at_k, pass_at_k
 from loorl.masked import masked_std
+from loorl.profiling import PhaseClock
 from loorl.rewards import TASK_VERIFIER, Graded, RewardComposer, WeightedReward, correctness
 from loorl.rollout.batch import Rollout, assemble
 from loorl.rollout.engine import Completion, RolloutEngine
@@ -174,11 +174,13 @@ class RolloutDataModule(L.LightningDataModule):
     def rollout(self, prompts: list[Prompt], *, seed: int, step: int = 0) -> Rollout:
         """K completions of each prompt sampled with `seed`, graded and assembled into a batch."""
         prompt_ids = self.encode_prompts(prompts)
-        t0 = time.perf_counter()
-        groups = self.engine.generate(prompt_ids, n=self.rl.samples_per_prompt, seed=seed)
-        gen_seconds = time.perf_counter() - t0
+        clock = PhaseClock()
+        with clock.phase("gen"):
+            groups = self.engine.generate(prompt_ids, n=self.rl.samples_per_prompt, seed=seed)
+        gen_seconds = clock.seconds["gen"]
         self.engine.sleep()
-        graded = self.rewards(prompts, self.decode(groups))  # [B, K] rewards and correctness
+        with clock.phase("grade"):
+            graded = self.rewards(prompts, self.decode(groups))  # [B, K] rewards and correctness
         rewards = graded.rewards  # [B, K]
         finished = torch.tensor([[c.finished for c in g] for g in groups])  # [B, K]
         if self.settings.truncated == "zero":
@@ -194,6 +196,7 @@ class RolloutDataModule(L.LightningDataModule):
         everyone = gather_graded(graded, lengths, finished)  # the whole step's, over all ranks
         stats = rollout_stats(*everyone, gen_seconds=float(all_reduce(gen_seconds, "max")))
         stats |= self.source_stats(prompts, everyone[0])
+        stats["perf/grade_seconds"] = clock.seconds["grade"]
         return Rollout(step=step, batch=batch, stats=stats)
 
     def source_stats(self, prompts: list[Prompt], graded: Graded) -> dict[str, float]:

@@ -52,11 +52,15 @@ def build_engine(
     if name == "hf":
         from loorl.rollout.hf_engine import HFEngine
 
+        attention = hf_attention(rollout.hf_attention, model_path)
+        if attention is not None:
+            log.info("the HF engine generates with %s attention (rollout.hf_attention=%s)",
+                     attention, rollout.hf_attention)  # fmt: skip
         return HFEngine(
             sampling,
             batch_size=rollout.batch_size,
             share_prompt=share_prompt,
-            compute_dtype=model_dtype,
+            attention=attention,
             **ids,
         )
     if name == "vllm":
@@ -81,6 +85,24 @@ def build_engine(
             **ids,
         )
     raise ConfigError(f"rollout.engine={name!r} is not one of: hf, vllm, auto")
+
+
+def hf_attention(name: str, model_path: str) -> str | None:
+    """`rollout.hf_attention` -> the implementation the HF engine generates with (None: the model's).
+
+    auto: eager on CPU for models of hidden size 512 and more, the model's own otherwise. Measured
+    on the 2-core CPU: SmolLM2-135M (576 wide, 9 heads), 32 rows x 24 tokens: the attention of a
+    rollout takes 0.16 s through eager's plain matmuls against 0.74 s through sdpa's CPU kernel
+    (one-token queries); the tiny default model (128 wide, 2 heads) generates 15% faster with sdpa.
+    On GPU the model's own (sdpa or flash attention) is the fast one."""
+    if name == "auto":
+        if cuda_available():
+            return None
+        from transformers import AutoConfig
+
+        width = getattr(AutoConfig.from_pretrained(model_path), "hidden_size", 0) or 0
+        return "eager" if width >= 512 else None
+    return None if name == "model" else name
 
 
 def _context_length(rollout: RolloutSettings, model_path: str) -> int:

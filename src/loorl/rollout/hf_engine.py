@@ -12,7 +12,7 @@ model's own generation config swapped for an empty one, and every setting passed
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 
@@ -35,6 +35,20 @@ def _clean_generation_defaults(model):
         model.generation_config = saved
 
 
+@contextmanager
+def _attention(model, implementation: str | None):
+    """The model's attention switched to `implementation` for the block (None: left as it is)."""
+    saved = getattr(model.config, "_attn_implementation", None)
+    if implementation is None or implementation == saved or not hasattr(model, "set_attn_implementation"):
+        yield
+        return
+    model.set_attn_implementation(implementation)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(saved)
+
+
 class HFEngine(RolloutEngine):
     name = "hf"
 
@@ -46,16 +60,16 @@ class HFEngine(RolloutEngine):
         *,
         batch_size: int = 512,
         share_prompt: bool = True,
-        compute_dtype: str | None = None,
+        attention: str | None = None,
         **token_ids: int | list[int],
     ):
         """`token_ids`: the base engine's `eos_token_ids` and `pad_token_id`. `share_prompt`: a
-        prompt's n samples share one prefill (`shared_prefill`). `compute_dtype`: model.dtype; when
-        it is below the policy's weights (bf16 compute over float32 master weights) generation runs
-        under autocast, as training does."""
+        prompt's n samples share one prefill (`shared_prefill`). Under bf16-mixed the DataModule
+        calls it inside the precision plugin's autocast, so it samples in the training dtype.
+        `attention`: the attention implementation while generating (None: the model's own)."""
         super().__init__(sampling, **token_ids)
         self.batch_size = batch_size  # sequences per generate call (memory bound)
-        self.share_prompt, self.compute_dtype = share_prompt, compute_dtype
+        self.share_prompt, self.attention = share_prompt, attention
         self.model = None
         self.unsharded = False
 
@@ -133,7 +147,7 @@ class HFEngine(RolloutEngine):
             ids, mask = pad(chunk, value=self.pad_token_id, side="left")  # [b, P], [b, P]
             ids, mask = ids.to(device), mask.to(device)
             width = ids.shape[1]
-            with _clean_generation_defaults(self.model), self.autocast(device):
+            with _clean_generation_defaults(self.model), _attention(self.model, self.attention):
                 cache = {}
                 if share and width > 1:
                     cache["past_key_values"] = shared_prefill(self.model, ids[::n], mask[::n], n)
@@ -158,17 +172,6 @@ class HFEngine(RolloutEngine):
         if was_training:
             self.model.train()
         return [out[g * n : (g + 1) * n] for g in range(len(prompt_ids))]
-
-    def autocast(self, device: torch.device):
-        """bf16 (or fp16) autocast when the compute dtype is below the weights' dtype, else nothing."""
-        from loorl.models import torch_dtype
-
-        if self.compute_dtype is None:
-            return nullcontext()
-        dtype = torch_dtype(self.compute_dtype)
-        if dtype == next(self.model.parameters()).dtype:
-            return nullcontext()
-        return torch.autocast(device.type, dtype=dtype)
 
 
 def shared_prefill(model, ids: torch.Tensor, mask: torch.Tensor, n: int):

@@ -1,0 +1,253 @@
+"""loorl against TRL's `RLOOTrainer` on the same work; writes outputs/bench/vs_trl.md (and .json).
+
+    python scripts/bench_vs_trl.py                         # tiny default and SmolLM2-135M, 3 runs each
+    python scripts/bench_vs_trl.py --work tiny --repeats 5
+    python scripts/bench_vs_trl.py --work smollm2 --steps 5
+
+Same model files, prompts (each step's B prompts drawn by loorl's task and fed to TRL in order), K,
+learning rate and AdamW settings, new-token limit, sampler, clipping, KL coefficient, precision and
+step count: TRL's side (`scripts/trl_rloo.py`) is built from the loorl config the same overrides
+compose. Runs alternate, loorl then TRL, `--repeats` times (A B A B: drift of the machine hits both).
+
+Per run: the whole process's wall time, the median seconds per RL step (rollout + update; the first
+steps' one-off costs fall out of the median), generation tokens/s (sampled tokens over sampling
+time), training tokens/s (prompt + completion tokens of the step's rows over the step's time outside
+the rollout), the process tree's peak resident memory (sampled every 50 ms, and the kernel's
+ru_maxrss), and the held-out greedy accuracy of the final policy, scored for both systems by the same
+function (`src/eval.py` on the exported policy: the task's held-out set, loorl's verifier). The table
+reports medians over the runs of each system.
+
+TRL needs accelerate, which loorl's environment keeps out; the first run creates a venv at
+`--venv` (default <LOORL_CACHE>/trl-venv) that sees this environment's packages (torch,
+transformers: the same versions for both) and adds trl==1.16.0, accelerate and datasets. Offline,
+point `--venv` at one made elsewhere. loorl runs as configured (its step-0 and final validations and
+policy export included in its whole-process time; TRL evaluates nothing while training).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRL_REQUIREMENTS = ["trl==1.16.0", "accelerate", "datasets"]
+
+# the work: loorl overrides (TRL's run is composed from the same ones) and the default step count
+WORK = {
+    # the default run: tiny model, 32 prompts x K=8, 5 new tokens, lr 2e-4
+    "tiny": {"overrides": [], "steps": 150},
+    # SmolLM2-135M-Instruct on chat arithmetic: 8 prompts x K=4 (its recipe), 24 new tokens, lr 1e-5
+    "smollm2": {
+        "overrides": [
+            "model=smollm2_135m",
+            "task=chat_arithmetic",
+            "rollout=hf",
+            "rollout.max_new_tokens=24",
+            "optimizer.lr=1e-5",
+        ],
+        "steps": 20,
+    },
+}
+LOORL_RUN = ["trainer.enable_progress_bar=false", "checkpoint_every=0", "val_pass_k=0"]
+
+
+def cache_dir() -> Path:
+    return Path(os.path.expanduser(os.environ.get("LOORL_CACHE", "~/.cache/loorl")))
+
+
+def ensure_trl_venv(venv: Path) -> Path:
+    python = venv / "bin" / "python"
+    if python.exists():
+        return python
+    print(f"creating the TRL venv {venv} ({', '.join(TRL_REQUIREMENTS)} over this environment)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", *TRL_REQUIREMENTS], check=True)
+    return python
+
+
+class PeakMemory:
+    """The peak of the summed resident memory of a process and its descendants, sampled."""
+
+    def __init__(self, pid: int, every: float = 0.05) -> None:
+        self.pid, self.every, self.peak = pid, every, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _tree(self) -> list[int]:
+        children = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+                children.setdefault(ppid, []).append(int(entry.name))
+        out, todo = [], [self.pid]
+        while todo:
+            pid = todo.pop()
+            out.append(pid)
+            todo += children.get(pid, [])
+        return out
+
+    def _run(self) -> None:
+        page = os.sysconf("SC_PAGE_SIZE")
+        while not self._stop.is_set():
+            total = 0
+            for pid in self._tree():
+                try:
+                    total += int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * page
+                except (OSError, IndexError, ValueError):
+                    pass
+            self.peak = max(self.peak, total)
+            self._stop.wait(self.every)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
+def timed(cmd: list[str], log: Path) -> tuple[float, int]:
+    """Run `cmd` (output to `log`); its wall seconds and peak resident bytes. Fails loudly."""
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        memory = PeakMemory(proc.pid)
+        _, status, usage = os.wait4(proc.pid, 0)
+    seconds = time.perf_counter() - start
+    peak = max(memory.stop(), usage.ru_maxrss * 1024)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(cmd[:3])} ... failed (exit {proc.returncode}); see {log}")
+    return seconds, peak
+
+
+def loorl_step_metrics(run: Path) -> dict[str, float]:
+    import csv
+
+    rows = [r for r in csv.DictReader(open(run / "csv" / "metrics.csv")) if r.get("perf/step_seconds")]
+
+    def col(key):
+        return [float(r[key]) for r in rows]
+
+    rollout = [g + s + p for g, s, p in zip(col("perf/gen_seconds"), col("perf/grade_seconds"),
+                                            col("perf/prepare_seconds"))]  # fmt: skip
+    return {
+        "step_s": statistics.median(col("perf/step_seconds")),
+        "gen_tok_s": sum(col("rollout/gen_tokens")) / sum(col("perf/gen_seconds")),
+        "train_tok_s": sum(col("perf/train_tokens"))
+        / sum(s - r for s, r in zip(col("perf/step_seconds"), rollout)),
+    }
+
+
+def trl_step_metrics(run: Path) -> dict[str, float]:
+    t = json.loads((run / "trl_metrics.json").read_text())["timing"]
+    # TRL's scoring (reward, advantages) is a small part of the step outside `generate`
+    return {
+        "step_s": statistics.median(t["step"]),
+        "gen_tok_s": sum(t["gen_tokens"]) / sum(t["gen"]),
+        "train_tok_s": sum(t["train_tokens"]) / sum(s - g for s, g in zip(t["step"], t["gen"])),
+    }
+
+
+def held_out_accuracy(policy: Path, overrides: list[str], out: Path) -> float:
+    """The same scorer for both systems: loorl's evaluation of the exported policy (greedy, held-out)."""
+    cmd = [sys.executable, "src/eval.py", f"policy={policy}", *overrides, "eval.samples=0", "eval.rows=0",
+           f"hydra.run.dir={out}", "trainer.enable_progress_bar=false"]  # fmt: skip
+    timed(cmd, out.with_suffix(".log"))
+    return float(json.loads((out / "results.json").read_text())["metrics"]["pass@1_greedy"])
+
+
+def run_once(system: str, work: str, steps: int, index: int, out: Path, trl_python: Path) -> dict:
+    overrides = [*WORK[work]["overrides"], f"rl.steps={steps}"]
+    run = out / f"{work}-{system}-{index}"
+    if system == "loorl":
+        cmd = [sys.executable, "src/train.py", *overrides, *LOORL_RUN, f"val_every={steps}",
+               f"hydra.run.dir={run}"]  # fmt: skip
+    else:
+        cmd = [str(trl_python), "scripts/trl_rloo.py", "--out", str(run), *overrides]
+    seconds, peak = timed(cmd, out / f"{run.name}.log")
+    metrics = (loorl_step_metrics if system == "loorl" else trl_step_metrics)(run)
+    accuracy = held_out_accuracy(run / "policy", WORK[work]["overrides"], out / f"{run.name}-eval")
+    row = {"system": system, "work": work, "run": index, "process_s": seconds, "peak_mib": peak / 2**20,
+           "accuracy": accuracy, **metrics}  # fmt: skip
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def table(rows: list[dict], steps: dict[str, int], repeats: int) -> str:
+    lines = [
+        f"## loorl vs TRL 1.16 `RLOOTrainer` (medians over {repeats} alternating runs each)",
+        "",
+        "| work | system | whole process (s) | s / step | gen tokens/s | train tokens/s | peak RSS (MiB) "
+        "| held-out accuracy | speed-up (process, step) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    keys = ("process_s", "step_s", "gen_tok_s", "train_tok_s", "peak_mib", "accuracy")
+    for work in steps:
+        med = {}
+        for system in ("trl", "loorl"):
+            mine = [r for r in rows if r["work"] == work and r["system"] == system]
+            if mine:
+                med[system] = {k: statistics.median(r[k] for r in mine) for k in keys}
+        for system, m in med.items():
+            speedup = ""
+            if system == "loorl" and "trl" in med:
+                t = med["trl"]
+                speedup = f"{t['process_s'] / m['process_s']:.2f}x, {t['step_s'] / m['step_s']:.2f}x"
+            lines.append(
+                f"| {work} ({steps[work]} steps) | {system} | {m['process_s']:.1f} | {m['step_s']:.2f} "
+                f"| {m['gen_tok_s']:.0f} | {m['train_tok_s']:.0f} | {m['peak_mib']:.0f} "
+                f"| {100 * m['accuracy']:.1f}% | {speedup} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--work", nargs="+", choices=sorted(WORK), default=["tiny", "smollm2"])
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each system per work (at least 3)")
+    parser.add_argument("--steps", type=int, default=None, help="RL steps per run (default: per work)")
+    parser.add_argument("--systems", nargs="+", choices=["loorl", "trl"], default=["loorl", "trl"])
+    parser.add_argument("--venv", type=Path, default=cache_dir() / "trl-venv")
+    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench")
+    args = parser.parse_args()
+    out = args.out.resolve() / "vs_trl_runs"
+    out.mkdir(parents=True, exist_ok=True)
+    trl_python = ensure_trl_venv(args.venv) if "trl" in args.systems else Path(sys.executable)
+    steps = {w: args.steps or WORK[w]["steps"] for w in args.work}
+    rows = []
+    for work in args.work:
+        for index in range(args.repeats):
+            for system in args.systems:  # alternating: A B A B
+                rows.append(run_once(system, work, steps[work], index, out, trl_python))
+    text = table(rows, steps, args.repeats)
+    text += (
+        f"\nMachine: {os.cpu_count()} CPU cores, torch {torch_version()}. Command: "
+        f"`python scripts/bench_vs_trl.py {' '.join(sys.argv[1:])}`. Per-run rows: vs_trl.json.\n"
+    )
+    (args.out / "vs_trl.md").write_text(text)
+    (args.out / "vs_trl.json").write_text(json.dumps(rows, indent=1))
+    print("\n" + text + f"\nwritten to {args.out}/vs_trl.md")
+
+
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+if __name__ == "__main__":
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    main()
