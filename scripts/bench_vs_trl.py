@@ -44,7 +44,8 @@ TRL_REQUIREMENTS = ["trl==1.16.0", "accelerate", "datasets"]
 WORK = {
     # the default run: tiny model, 32 prompts x K=8, 5 new tokens, lr 2e-4
     "tiny": {"overrides": [], "steps": 150},
-    # SmolLM2-135M-Instruct on chat arithmetic: 8 prompts x K=4 (its recipe), 24 new tokens, lr 1e-5
+    # SmolLM2-135M-Instruct on chat arithmetic: 8 prompts x K=4 (its recipe), 24 new tokens, lr 1e-5,
+    # bf16 compute over float32 weights for both (TRL: bf16=True); 10 steps (a TRL step is ~40 s)
     "smollm2": {
         "overrides": [
             "model=smollm2_135m",
@@ -52,8 +53,9 @@ WORK = {
             "rollout=hf",
             "rollout.max_new_tokens=24",
             "optimizer.lr=1e-5",
+            "model.dtype=bfloat16",
         ],
-        "steps": 20,
+        "steps": 10,
     },
 }
 LOORL_RUN = ["trainer.enable_progress_bar=false", "checkpoint_every=0", "val_pass_k=0"]

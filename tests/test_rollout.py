@@ -363,23 +363,19 @@ def test_datamodule_collects_a_rollout_with_a_real_engine_and_no_learner(tiny):
     assert custom(dm.prompts_for_step(0)[:2], [["1", "2"], ["3", "4"]]).correct.shape == (2, 2)
 
 
-def test_sampled_generation_is_split_to_bound_the_kept_scores(tiny):
-    """transformers returns every step's [rows, V] float32 scores at the end of a call: sampling calls
-    are split so that they stay within the budget (SmolLM2: 32 tokens x 49k vocabulary, 512 rows
-    would be 3.2 GB); the split changes nothing but memory."""
+def test_generation_is_split_into_calls_of_whole_groups(tiny):
+    """`rollout.batch_size` bounds the rows per decoding call, rounded down to whole groups (a group
+    shares one prefill); the split changes nothing but memory: every sample's log-probs are its own
+    tokens' under the policy."""
     cfg, task, path, tok, model = tiny
     engine = _engine(tok, max_new_tokens=32)
-    assert engine.rows_per_call(False, 49_152) == (1 << 30) // (32 * 49_152 * 4) == 170
-    assert engine.rows_per_call(True, 49_152) == engine.batch_size == 512  # greedy keeps no scores
-    assert engine.rows_per_call(False, len(tok)) == 512  # a small vocabulary: one call
     engine.sync(model)
     prompts = [tok(p.text, add_special_tokens=False).input_ids for p in task.eval_prompts()[:3]]
     whole = engine.generate(prompts, n=4, seed=7)
-    engine.SCORES_BUDGET_BYTES = 5 * 32 * len(tok) * 4  # 5 rows per call: 12 rows in 3 calls
-    assert engine.rows_per_call(False, len(tok)) == 5
+    engine.batch_size = 5  # 4 rows (one group) per call: 12 rows in 3 calls
     split = engine.generate(prompts, n=4, seed=7)
     # 3 calls draw other samples from the seeded generator than one call, but every sample's log-probs
-    # are its own tokens' under the policy (the split keeps scores and rows aligned)
+    # are its own tokens' under the policy (the split keeps log-probs and rows aligned)
     assert len(split) == len(whole) == 3 and all(len(g) == 4 for g in split)
     for prompt, group in zip(prompts, split):
         for c in group:
@@ -389,4 +385,4 @@ def test_sampled_generation_is_split_to_bound_the_kept_scores(tiny):
             own = logp.gather(-1, torch.tensor(c.token_ids).unsqueeze(-1)).squeeze(-1)  # [C]
             assert torch.allclose(own, torch.tensor(c.logprobs), atol=1e-4)
     greedy = engine.generate(prompts, n=1, greedy=True)
-    assert all(lp == 0.0 for g in greedy for c in g for lp in c.logprobs)  # greedy: no scores kept
+    assert all(lp == 0.0 for g in greedy for c in g for lp in c.logprobs)  # greedy: log-probs not kept

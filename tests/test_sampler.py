@@ -211,3 +211,29 @@ def test_vllm_engine_stops_at_every_eos_id(quick_config, two_eos_dir):
     engine, tok = _engine_for(quick_config("rollout=vllm"), path)
     engine.sync(load_causal_lm(str(path), dtype="float32"), version=0)
     _check_every_eos_ends(engine.generate(_prompts(tok), n=4), ids)
+
+
+def test_inverse_cdf_sampling_draws_the_distribution_it_is_given():
+    """The HF engine's sampler (one uniform per row, `hf_engine.sample_tokens`) against the exact
+    probabilities: frequencies within sampling error, never a truncated (-inf) entry, a point mass
+    always, and the same draws for the same seed."""
+    from loorl.rollout.hf_engine import sample_tokens
+
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50) * 2  # [3, 50]
+    logits[:, 10:20] = -math.inf  # what top-k / top-p truncation leaves
+    logits[2] = -math.inf
+    logits[2, 33] = 0.0  # a point mass
+    logp = logits.log_softmax(-1)  # [3, 50]
+    draws = 20_000
+    gen = torch.Generator().manual_seed(1)
+    samples = torch.stack([sample_tokens(logp, gen) for _ in range(draws)])  # [draws, 3]
+    for row in range(3):
+        freq = torch.bincount(samples[:, row], minlength=50).float() / draws  # [50]
+        p = logp[row].exp()
+        assert freq[10:20].sum() == 0
+        # 4 standard errors of a frequency at each p
+        assert ((freq - p).abs() <= 4 * (p * (1 - p) / draws).sqrt() + 1e-9).all(), (freq - p).abs().max()
+    assert (samples[:, 2] == 33).all()
+    again = torch.Generator().manual_seed(1)
+    assert torch.equal(torch.stack([sample_tokens(logp, again) for _ in range(50)]), samples[:50])

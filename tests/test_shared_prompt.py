@@ -130,3 +130,24 @@ def test_single_token_completions_and_gradient_checkpointing_fall_back_or_work(t
     finally:
         model.gradient_checkpointing_disable()
         model.zero_grad(set_to_none=True)
+
+
+def test_bf16_generation_casts_weights_once_per_call_and_sees_updated_weights(tiny):
+    """Under an outer autocast with its cache off (Lightning's bf16-mixed), the engine samples in bf16
+    with cached weight casts, and a weight change between two calls inside that same outer autocast
+    is seen by the second call (the cache does not outlive a call)."""
+    tok, model, ids = tiny
+    engine = _engine(tok, True)
+    engine.sync(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        before = engine.generate(ids, n=2, greedy=True)
+        saved = model.lm_head.weight.detach().clone()
+        with torch.no_grad():
+            model.lm_head.weight.zero_()  # every logit 0: greedy takes id 0 at every step
+        try:
+            after = engine.generate(ids, n=2, greedy=True)
+        finally:
+            with torch.no_grad():
+                model.lm_head.weight.copy_(saved)
+    assert all(c.token_ids != [0] * 5 for g in before for c in g)
+    assert all(c.token_ids == [0] * 5 for g in after for c in g)
