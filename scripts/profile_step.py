@@ -4,13 +4,14 @@
     python scripts/profile_step.py model=smollm2_135m task=chat_arithmetic rollout.max_new_tokens=24 \
         optimizer.lr=1e-5 --steps 3 --warmup 2                      # add model.dtype=bfloat16 for bf16
 
-Runs a short training run with the given overrides, puts the torch profiler (operator FLOPs on)
-around `--steps` RL steps after `--warmup` steps, and attributes every operator to the loorl phase
-whose `loorl/<phase>` range encloses it (`loorl.profiling`: gen, grade, prepare, forward, backward,
-entropy, optimizer; the rest is Lightning, logging and Python). Wall seconds per phase are the run's
-own `perf/<phase>_seconds` (not inflated by the profiler); GFLOP/s divides the profiler's counted
-FLOPs (matrix products and attention) by those seconds; utilisation compares it with a 2048^3 matrix
-product measured here in the phase's compute dtype. Writes outputs/bench/profile.md.
+Runs a short training run with the given overrides: `--warmup` steps, then `--steps` steps under the
+torch profiler (operator FLOPs on), then `--steps` more without it. Every profiled operator goes to
+the loorl phase whose `loorl/<phase>` range encloses it (`loorl.profiling`: gen, grade, prepare,
+forward, backward, entropy, optimizer; the rest is Lightning, logging and Python). Wall seconds per
+phase are the run's own `perf/<phase>_seconds` of the last, unprofiled steps (the profiler slows
+what it watches); GFLOP/s divides the counted FLOPs per step (matrix products and attention) by
+those seconds; utilisation compares it with a 2048^3 matrix product measured here in the compute
+dtype. Writes outputs/bench/profile.md.
 """
 
 from __future__ import annotations
@@ -89,7 +90,7 @@ def main() -> None:
 
     from loorl import train as train_module
 
-    steps = args.warmup + args.steps
+    steps = args.warmup + 2 * args.steps
     run_dir = args.out.parent / "profile_run"
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[*args.overrides, f"rl.steps={steps}", f"val_every={steps + 1}",
@@ -111,18 +112,17 @@ def main() -> None:
     import csv
 
     rows = [r for r in csv.DictReader(open(run_dir / "csv" / "metrics.csv")) if r.get("perf/step_seconds")]
-    profiled = rows[args.warmup : args.warmup + args.steps]
-    seconds = {
-        p: statistics.fmean(float(r.get(f"perf/{p}_seconds") or 0.0) for r in profiled) for p in PHASES
-    }
-    step = statistics.fmean(float(r["perf/step_seconds"]) for r in profiled)
+    timed = rows[args.warmup + args.steps :]  # after the profiled steps, unprofiled
+    seconds = {p: statistics.fmean(float(r.get(f"perf/{p}_seconds") or 0.0) for r in timed) for p in PHASES}
+    step = statistics.fmean(float(r["perf/step_seconds"]) for r in timed)
     flops = {p: f / args.steps for p, f in phase_flops(profile.profiler).items()}
     compute = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
     peak = matmul_peak(compute)
     lines = [
         f"## Step profile: `{' '.join(args.overrides) or 'the default run'}`",
         "",
-        f"Mean over {args.steps} RL steps after {args.warmup}: {step:.2f} s per step. Peak: a 2048^3 "
+        f"Mean over {args.steps} unprofiled RL steps: {step:.2f} s per step (FLOPs: {args.steps} profiled "
+        f"steps before them, after {args.warmup} warm-up steps). Peak: a 2048^3 "
         f"{str(compute).removeprefix('torch.')} matrix product at {peak:.0f} GFLOP/s on "
         f"{torch.get_num_threads()} threads.",
         "",

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from loorl import estimators
+from loorl.profiling import PHASES
 from loorl.train import train
 
 
@@ -46,9 +47,18 @@ def test_quick_run_writes_every_output(quick_cfg, tmp_path):
         "train/grad_norm",
         "perf/gen_tokens_per_s",
         "perf/train_tokens_per_s",
+        "perf/train_tokens",
+        *(f"perf/{phase}_seconds" for phase in ("step", *PHASES)),
         "val/accuracy",
     }
     assert expected <= columns, expected - columns
+    with open(run / "csv" / "metrics.csv") as f:
+        steps = [r for r in csv.DictReader(f) if r["perf/step_seconds"]]
+    for row in steps:  # the phases and the rest add up to the step; every phase that ran took time
+        parts = sum(float(row[f"perf/{p}_seconds"] or 0) for p in PHASES)
+        assert abs(parts - float(row["perf/step_seconds"])) < 1e-6
+        assert min(float(row[f"perf/{p}_seconds"]) for p in ("gen", "forward", "backward", "optimizer")) > 0
+    assert "seconds per step (median): whole; phases" in text
     history = _history(run)
     assert [s for s, _ in history["val/accuracy"]] == [0, 2, 4]  # before training, then every val_every
     assert len(history["rollout/reward"]) == cfg.rl.steps

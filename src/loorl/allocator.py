@@ -4,7 +4,10 @@ glibc serves blocks above its mmap threshold (at most 32 MiB) with fresh mmaps a
 free, and trims the heap's top; every RL step then page-faults its activations, logits and gradients
 into existence again (the kernel zeroes each page). With mmap off and trimming off, a step reuses the
 pages of the one before. Measured on the 2-core CPU, SmolLM2-135M bf16, 32 rows: 13.1 -> 9.6 s per
-step (forward 2.6 -> 1.4 s, backward 4.5 -> 3.3 s), peak resident memory +0.4 GB. Hand-written
+step (forward 2.6 -> 1.4 s, backward 4.5 -> 3.3 s), peak resident memory +0.4 GB. Per allocation the
+reuse is not guaranteed (in a fresh process a freed 16-256 MiB tensor was sometimes reused without
+a page fault and sometimes faulted in again; this VM's kernel also reclaims idle pages itself); per
+step it pays, as measured above. Hand-written
 because PyTorch has no caching allocator for CPU memory; jemalloc or tcmalloc (LD_PRELOAD) do the
 same where installed. Does nothing where the C library is not glibc.
 """

@@ -27,6 +27,7 @@ import torch
 from torchmetrics import MeanMetric
 
 from loorl import estimators
+from loorl.autocast import cached_autocast
 from loorl.checkpoints import IDENTITY_KEY
 from loorl.distributed import all_reduce, gather_rows, rank_and_world
 from loorl.logprobs import completion_logits, completion_logprobs, token_entropy, token_logprobs
@@ -146,7 +147,8 @@ class PolicyGradientModule(L.LightningModule):
         off_policy = self.rl.steps_per_rollout > 1
         policy_logprobs = None  # [N, C] the trained policy's, where they can differ from the sampler's
         if off_policy or (self.reference is not None and not self.sampler_logprobs_exact):
-            policy_logprobs = completion_logprobs(self.policy, batch, **score)  # [N, C]
+            with cached_autocast(self.device):
+                policy_logprobs = completion_logprobs(self.policy, batch, **score)  # [N, C]
         batch = replace(batch, old_logprobs=policy_logprobs if off_policy else None)
         # The estimators see the whole step: every rank's rows, gathered in rank order (whitening and
         # the KL controller then match one process on all B groups); this rank keeps its own rows.
@@ -224,7 +226,10 @@ class PolicyGradientModule(L.LightningModule):
         stats = LossStats()
         for sub in batch.group_chunks(self.rl.prompts_per_microbatch):
             with self.clock.phase("forward"):  # the policy's pass and the loss on its logits
-                logits = completion_logits(self.policy, sub, share_prompt=self.rl.share_prompt)  # [n, C, V]
+                with cached_autocast(self.device):  # one bf16 copy of each weight, not one per pass
+                    logits = completion_logits(
+                        self.policy, sub, share_prompt=self.rl.share_prompt
+                    )  # [n, C, V]
                 logp = token_logprobs(logits, sub.completion_ids, **truncation)  # [n, C]
                 loss, micro = policy_loss(
                     logp,
