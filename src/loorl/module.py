@@ -98,6 +98,7 @@ class PolicyGradientModule(L.LightningModule):
         self.val_source_accuracy = torch.nn.ModuleDict()  # task=mix: source name -> MeanMetric
         self._grad_norms: list[float] = []
         self.clock = PhaseClock()  # perf/<phase>_seconds of each step (loorl.profiling)
+        self._step_started = time.perf_counter()  # reset at each epoch start
 
     # ---- models --------------------------------------------------------------------------------
     def configure_model(self) -> None:
@@ -255,7 +256,7 @@ class PolicyGradientModule(L.LightningModule):
         for key in ("perf/gen_seconds", "perf/grade_seconds"):  # the DataModule's phases
             if key in rollout_stats:
                 phases[key] = rollout_stats[key]
-        step = time.perf_counter() - getattr(self, "_step_started", time.perf_counter())
+        step = time.perf_counter() - self._step_started
         return phases | {"perf/step_seconds": step, "perf/other_seconds": step - sum(phases.values())}
 
     def on_before_optimizer_step(self, optimizer) -> None:

@@ -57,7 +57,7 @@ class HFEngine(RolloutEngine):
         calls it inside the precision plugin's autocast, so it samples in the training dtype.
         `attention`: the attention implementation while generating (None: the model's own)."""
         super().__init__(sampling, **token_ids)
-        self.batch_size = batch_size  # sequences per generate call (memory bound)
+        self.batch_size = batch_size  # sequences per decoding call (memory bound)
         self.share_prompt, self.attention = share_prompt, attention
         self.model = None
         self.unsharded = False
