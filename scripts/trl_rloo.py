@@ -30,6 +30,7 @@ from hydra.utils import instantiate  # noqa: E402
 
 from loorl.config import CONF_DIR, load_settings  # noqa: E402
 from loorl.models import load_tokenizer, resolve_model_path  # noqa: E402
+from loorl.module import wsd_arguments  # noqa: E402
 
 
 def main() -> None:
@@ -67,6 +68,7 @@ def main() -> None:
     k, sampling = s.rl.samples_per_prompt, s.rollout.sampling
     if s.rl.prompts_per_minibatch != s.rl.prompts_per_step or s.rl.epochs_per_rollout != 1:
         raise SystemExit("the TRL peer runs one optimizer step per rollout, as loorl's benchmark settings do")
+    schedule = wsd_arguments(s.lr_schedule, total_steps=s.rl.steps)
     config = RLOOConfig(
         output_dir=str(args.out / "trl"),
         use_cpu=not torch.cuda.is_available(),
@@ -83,8 +85,10 @@ def main() -> None:
         weight_decay=float(cfg.optimizer.weight_decay),
         adam_beta1=float(cfg.optimizer.betas[0]),
         adam_beta2=float(cfg.optimizer.betas[1]),
-        lr_scheduler_type="constant",
-        warmup_steps=0,
+        # loorl's lr schedule, the same warmup-stable-decay arguments (one optimizer step per RL step)
+        lr_scheduler_type="warmup_stable_decay",
+        warmup_steps=schedule["num_warmup_steps"],
+        lr_scheduler_kwargs={key: schedule[key] for key in ("num_decay_steps", "decay_type", "min_lr_ratio")},
         max_grad_norm=s.loss.max_grad_norm or 0.0,
         beta=s.kl.coef,
         num_iterations=1,

@@ -17,7 +17,7 @@ QUICK = [
     "debug=quick",
     "rollout.max_new_tokens=16",
     "val_pass_k=0",
-    "model.tiny.warm_start.steps=20",
+    "model.tiny.warm_start.max_steps=20",
     "rl.steps=2",
 ]
 

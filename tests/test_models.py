@@ -29,7 +29,7 @@ def test_tiny_build_is_determined_by_its_config(quick_config, tmp_path):
     def at(cache, *overrides):
         return quick_config(f"model.cache_dir={cache}", *overrides)
 
-    cfgs = [at(tmp_path / name, "model.tiny.warm_start.steps=3") for name in ("a", "b")]
+    cfgs = [at(tmp_path / name, "model.tiny.warm_start.max_steps=3") for name in ("a", "b")]
     paths = []
     for i, cfg in enumerate(cfgs):
         torch.manual_seed(100 + i)  # a different global RNG state must not change the model
@@ -42,6 +42,6 @@ def test_tiny_build_is_determined_by_its_config(quick_config, tmp_path):
     assert ensure_tiny_model(cfgs[0].model, cfgs[0].task, None) == paths[0]
     assert (paths[0] / "model.safetensors").stat().st_mtime_ns == mtime
     # a different warm start is a different model
-    other = at(tmp_path / "a", "model.tiny.warm_start.steps=4")
+    other = at(tmp_path / "a", "model.tiny.warm_start.max_steps=4")
     assert tiny_model_dir(other.model, other.task) != paths[0]
     assert sum(p.numel() for p in a.values()) < 2_000_000

@@ -220,7 +220,7 @@ def test_resume_from_a_file_that_is_not_a_checkpoint(quick_cfg, tmp_path, conten
 @pytest.mark.parametrize(
     "override, named",
     [
-        ("model.tiny.warm_start.steps=120", "model"),  # another tiny model (another cache key)
+        ("model.tiny.warm_start.max_steps=120", "model"),  # another tiny model (another cache key)
         ("optimizer._target_=torch.optim.Adam", "optimizer"),  # AdamW's state would load into Adam
         ("strategy=fsdp", "format"),
     ],

@@ -224,6 +224,66 @@ def test_module_gradient_equals_hand_built_estimate_and_ignores_microbatch_size(
     assert torch.allclose(grads[4], expected, atol=1e-6, rtol=1e-4)
 
 
+@pytest.mark.parametrize("settings", [[], ["loss.tis_cap=2.0"], ["rl.epochs_per_rollout=2"]])
+def test_groups_without_signal_skip_the_training_passes_and_change_nothing(quick_config, tiny, settings):
+    """Groups whose advantages are all 0 are left out of the forward and backward
+    (`rl.skip_zero_advantage`): the loss and the gradient are those of the whole mini-batch."""
+    cfg, _, path, _, _ = tiny
+    batch, _ = _rollout(tiny, n=4, num_prompts=6)
+    advantages = torch.randn(6, 4)  # [G, K]
+    advantages[[1, 2, 4]] = 0.0  # three groups rewarded alike: no signal
+    batch.advantages = advantages.reshape(-1)  # [N]
+    assert batch.groups_with_signal() == [0, 3, 5]
+    if "rl.epochs_per_rollout=2" in settings:  # the clipped surrogate, at ratios away from 1
+        batch.old_logprobs = batch.sampler_logprobs + 0.1 * torch.randn_like(batch.sampler_logprobs)
+    grads, stats, rows = {}, {}, {}
+    for skip in (False, True):
+        module = build_module(quick_config(f"rl.skip_zero_advantage={skip}", *settings), path)
+        module.configure_model()
+        seen = []
+        module.policy.register_forward_pre_hook(lambda m, args, kw: seen.append(kw["input_ids"].shape[0]),
+                                                with_kwargs=True)  # fmt: skip
+        stats[skip] = module.accumulate_gradients(batch, lambda loss: loss.backward())
+        grads[skip], rows[skip] = _grads(module), sum(seen)
+    assert rows[True] < rows[False]  # fewer rows ran (the shared prompt runs once per group on top)
+    assert torch.allclose(grads[True], grads[False], atol=1e-7, rtol=1e-5)
+    assert stats[True].loss == pytest.approx(stats[False].loss, rel=1e-5, abs=1e-8)
+
+
+def test_a_minibatch_without_signal_still_runs_one_group():
+    """Every advantage 0: one group still runs, so a data-parallel backward meets its peers."""
+    from loorl.rollout.batch import RolloutBatch
+
+    n, k = 8, 4
+    batch = RolloutBatch(input_ids=torch.zeros(n, 3, dtype=torch.long), attention_mask=torch.ones(n, 3),
+                         completion_mask=torch.ones(n, 1), sampler_logprobs=torch.zeros(n, 1),
+                         rewards=torch.ones(n), group_size=k, prompt_len=2, advantages=torch.zeros(n))  # fmt: skip
+    assert batch.groups_with_signal() == [0]
+
+
+def test_a_kl_loss_term_keeps_every_row(quick_config, tiny):
+    """With a KL loss term every row has a gradient: nothing is skipped."""
+    cfg, _, path, _, _ = tiny
+    batch, _ = _rollout(tiny, n=4, num_prompts=4)
+    batch.advantages = torch.zeros(batch.input_ids.shape[0])
+    batch.ref_logprobs = batch.sampler_logprobs - 0.05
+    module = build_module(quick_config("kl.coef=0.1", "kl.in_reward=false", "kl.estimator=k3"), path)
+    module.configure_model()
+    seen = []
+    module.policy.register_forward_pre_hook(lambda m, args, kw: seen.append(kw["input_ids"].shape[0]),
+                                            with_kwargs=True)  # fmt: skip
+    module.accumulate_gradients(batch, lambda loss: loss.backward())
+    assert _grads(module).abs().sum() > 0
+    full = build_module(quick_config("kl.coef=0.1", "kl.in_reward=false", "kl.estimator=k3",
+                                     "rl.skip_zero_advantage=false"), path)  # fmt: skip
+    full.configure_model()
+    seen_full = []
+    full.policy.register_forward_pre_hook(lambda m, args, kw: seen_full.append(kw["input_ids"].shape[0]),
+                                          with_kwargs=True)  # fmt: skip
+    full.accumulate_gradients(batch, lambda loss: loss.backward())
+    assert seen == seen_full
+
+
 def _single_row(batch, i):
     """Row i as a batch of one group of size one."""
     from dataclasses import fields, replace

@@ -88,6 +88,7 @@ class RunSummary(L.Callback):
             "optimizer_steps": trainer.global_step,
             "val_accuracy_start": acc[0] if acc else float("nan"),
             "val_accuracy_end": acc[-1] if acc else float("nan"),
+            "val_accuracy_best": max(acc) if acc else float("nan"),  # the end should be close to it
             "reward_first": _mean(reward[:window]),
             "reward_last": _mean(reward[-window:]),
             "kl_last": (self.series("rollout/kl") or [float("nan")])[-1],
@@ -117,7 +118,8 @@ class RunSummary(L.Callback):
 
         rows = [
             ("RL steps (optimizer steps)", f"{s['rl_steps']} ({s['optimizer_steps']})"),
-            ("held-out greedy accuracy", f"{pct(s['val_accuracy_start'])} -> {pct(s['val_accuracy_end'])}"),
+            ("held-out greedy accuracy", f"{pct(s['val_accuracy_start'])} -> {pct(s['val_accuracy_end'])} "
+                                         f"(best {pct(s['val_accuracy_best'])})"),  # fmt: skip
         ]
         if self.pass_k:  # val_pass_k=0: not measured, no rows
             for name, key in (("pass", "val_pass_at_k"), ("maj", "val_maj_at_k")):

@@ -18,6 +18,7 @@ from loorl.settings import (
     EstimatorSettings,
     KLSettings,
     LossSettings,
+    LRScheduleSettings,
     ModelSettings,
     RLSettings,
     RolloutSettings,
@@ -65,6 +66,7 @@ class Settings:
     estimator: EstimatorSettings
     loss: LossSettings
     kl: KLSettings
+    lr_schedule: LRScheduleSettings
     rollout: RolloutSettings
     model: ModelSettings
 
@@ -82,6 +84,7 @@ def load_settings(cfg: DictConfig) -> Settings:
         estimator=EstimatorSettings.from_cfg(cfg.estimator, "estimator"),
         loss=LossSettings.from_cfg(cfg.loss, "loss"),
         kl=KLSettings.from_cfg(cfg.kl, "kl"),
+        lr_schedule=LRScheduleSettings.from_cfg(cfg.get("lr_schedule"), "lr_schedule"),
         rollout=rollout,
         model=model,
     )

@@ -20,6 +20,7 @@ import os
 import shutil
 import string
 import tempfile
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -28,13 +29,14 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from loorl.errors import ConfigError
+from loorl.hardware import cpu_capability
 from loorl.padding import pad
 from loorl.tasks.base import Task
 
 log = logging.getLogger(__name__)
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
-TINY_BUILD_VERSION = 1  # bump when the build code changes, so stale caches are not reused
+TINY_BUILD_VERSION = 2  # bump when the build code changes, so stale caches are not reused
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -95,7 +97,7 @@ def _tiny_policy(tiny_cfg: DictConfig, tokenizer):
         num_attention_heads=tiny_cfg.num_heads,
         num_key_value_heads=tiny_cfg.num_kv_heads,
         max_position_embeddings=tiny_cfg.max_position_embeddings,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tiny_cfg.get("tie_embeddings", True),
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.eos_token_id,
@@ -103,35 +105,66 @@ def _tiny_policy(tiny_cfg: DictConfig, tokenizer):
     return Qwen2ForCausalLM(config)
 
 
-def warm_start(policy, tokenizer, task: Task, *, steps: int, batch_size: int, lr: float, seed: int) -> float:
+def sft_batch(pairs, tokenizer, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt, answer) pairs -> right-padded ids [B, L] and a target mask [B, L] that is 1 on the
+    answer and its EOS; pairs longer than the model's positions are skipped."""
+    seqs, masks = [], []
+    for prompt, answer in pairs:
+        p = tokenizer(prompt, add_special_tokens=False).input_ids
+        a = tokenizer(answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        if len(p) + len(a) > max_len:
+            continue
+        seqs.append(p + a)
+        masks.append([0] * len(p) + [1] * len(a))
+    if not seqs:
+        raise ConfigError(f"no warm-start example fits model.tiny.max_position_embeddings={max_len}: raise it")
+    ids, _ = pad(seqs, value=tokenizer.pad_token_id, side="right")  # [B, L]
+    target_mask, _ = pad(masks, value=0.0, side="right", dtype=torch.float)  # [B, L] 1 on the answer
+    return ids, target_mask
+
+
+def greedy_exact(logits: torch.Tensor, ids: torch.Tensor, target_mask: torch.Tensor) -> torch.Tensor:
+    """[B] bool: greedy decoding from each prompt would write exactly its answer and EOS.
+
+    Teacher forcing gives that without generating: greedy decoding follows the answer for as long as
+    every answer token is the argmax of its position, and leaves it (a wrong answer) at the first that
+    is not. `logits` [B, L, V] of `ids` [B, L]; `target_mask` [B, L] marks the answer tokens."""
+    hits = logits[:, :-1].argmax(-1) == ids[:, 1:]  # [B, L-1] position t predicts token t+1
+    answer = target_mask[:, 1:].bool()  # [B, L-1]
+    return (hits | ~answer).all(-1)  # [B]
+
+
+@dataclass(frozen=True)
+class WarmStartResult:
+    steps: int  # SFT steps taken
+    loss: float  # the last step's loss
+    probe_accuracy: float | None  # greedy accuracy on the probe at the last check (None: no target)
+
+
+def warm_start(policy, tokenizer, task: Task, ws) -> WarmStartResult:
     """Supervised fine-tuning on the task's (prompt, answer) pairs; loss on the answer and EOS only.
 
-    Returns the last step's loss. Written by hand because it is 20 lines of plain PyTorch that run
-    once before Lightning starts; a Trainer would add nothing here.
+    `ws` (`settings.WarmStartSettings`): with `target_accuracy` set, every `check_every` steps the
+    policy's greedy accuracy on a fixed probe of `probe_size` training pairs is measured (one
+    teacher-forced forward pass, `greedy_exact`), and training stops at the first check that reaches
+    the target, else after `max_steps`. A fixed step count lands wherever the machine's floating-point
+    summation order has taken that run (measured: 54.5% to 89.0% held-out accuracy after 500 steps over
+    CPUs and seeds, with jumps of 20 points within 40 steps at lr 1e-3); a target lands every machine
+    at the same accuracy. Written by hand: 30 lines of plain PyTorch that run once before Lightning.
     """
-    torch.manual_seed(seed)
-    rng = np.random.default_rng(seed)
-    opt = torch.optim.AdamW(policy.parameters(), lr=lr)
+    torch.manual_seed(ws.seed)
+    rng = np.random.default_rng(ws.seed)
     max_len = policy.config.max_position_embeddings
-    policy.train()
-    loss = torch.tensor(float("nan"))
+    probe = None
+    if ws.target_accuracy is not None:  # its own stream: the training batches do not depend on it
+        probe = sft_batch(task.sft_examples(ws.probe_size, rng=np.random.default_rng([ws.seed, 1])), tokenizer, max_len)
+    opt = torch.optim.AdamW(policy.parameters(), lr=ws.lr)
+    loss, accuracy, step = torch.tensor(float("nan")), None, 0
     # disable=None: a bar on a terminal, nothing in a log file (the build logs its start and end)
-    for _ in tqdm(range(steps), desc="tiny model warm start (SFT)", leave=False, disable=None):
-        pairs = task.sft_examples(batch_size, rng=rng)
-        seqs, masks = [], []
-        for prompt, answer in pairs:
-            p = tokenizer(prompt, add_special_tokens=False).input_ids
-            a = tokenizer(answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
-            if len(p) + len(a) > max_len:  # longer than the model's positions: skipped
-                continue
-            seqs.append(p + a)
-            masks.append([0] * len(p) + [1] * len(a))
-        if not seqs:
-            raise ConfigError(
-                f"no warm-start example fits model.tiny.max_position_embeddings={max_len}: raise it"
-            )
-        ids, _ = pad(seqs, value=tokenizer.pad_token_id, side="right")  # [B, L]
-        target_mask, _ = pad(masks, value=0.0, side="right", dtype=torch.float)  # [B, L] 1 on the answer
+    bar = tqdm(range(1, ws.max_steps + 1), desc="tiny model warm start (SFT)", leave=False, disable=None)
+    for step in bar:
+        policy.train()
+        ids, target_mask = sft_batch(task.sft_examples(ws.batch_size, rng=rng), tokenizer, max_len)
         logits = policy(input_ids=ids).logits[:, :-1]  # [B, L-1, V]
         nll = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
@@ -140,32 +173,49 @@ def warm_start(policy, tokenizer, task: Task, *, steps: int, batch_size: int, lr
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if probe is not None and step % ws.check_every == 0:
+            policy.eval()
+            with torch.no_grad():
+                accuracy = float(greedy_exact(policy(input_ids=probe[0]).logits, *probe).float().mean())
+            bar.set_postfix(loss=f"{loss.item():.3f}", probe=f"{accuracy:.2f}")
+            if accuracy >= ws.target_accuracy:
+                break
     policy.eval()
-    return float(loss.detach())
+    return WarmStartResult(steps=step, loss=float(loss.detach()), probe_accuracy=accuracy)
 
 
 def ensure_tiny_model(model_cfg: DictConfig, task_cfg: DictConfig, task: Task) -> Path:
     """Return the cached tiny model directory, building and warm-starting it first if missing.
 
     The directory is written under a temporary name and renamed into place, so an interrupted
-    build never leaves a half-written model that a later run would load.
+    build never leaves a half-written model that a later run would load. `warm_start.json` in it
+    records how the warm start ended.
     """
     target = tiny_model_dir(model_cfg, task_cfg)
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     log.info("building the tiny model into %s (cached for later runs)", target)
+    from loorl.settings import WarmStartSettings
+
+    ws = WarmStartSettings.from_cfg(model_cfg.tiny.warm_start, "model.tiny.warm_start")
     tokenizer = build_char_tokenizer()
-    ws = model_cfg.tiny.warm_start
     torch.manual_seed(ws.seed)  # the initial weights too: the cache key must determine the model
     policy = _tiny_policy(model_cfg.tiny, tokenizer)
-    loss = warm_start(
-        policy, tokenizer, task, steps=ws.steps, batch_size=ws.batch_size, lr=ws.lr, seed=ws.seed
-    )
-    log.info("tiny model warm start: %d steps, final loss %.4f", ws.steps, loss)
+    result = warm_start(policy, tokenizer, task, ws)
+    if ws.target_accuracy is None:
+        log.info("tiny model warm start: %d steps, final loss %.4f", result.steps, result.loss)
+    elif result.probe_accuracy >= ws.target_accuracy:
+        log.info("tiny model warm start: probe greedy accuracy %.3f (target %.2f) after %d steps, loss %.4f",
+                 result.probe_accuracy, ws.target_accuracy, result.steps, result.loss)  # fmt: skip
+    else:
+        log.warning("tiny model warm start: probe greedy accuracy %.3f after model.tiny.warm_start.max_steps=%d, "
+                    "below target_accuracy=%.2f: RL starts from a weaker model (raise max_steps or lr)",
+                    result.probe_accuracy, result.steps, ws.target_accuracy)  # fmt: skip
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     policy.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    (tmp / "warm_start.json").write_text(json.dumps(asdict(result) | {"cpu_capability": cpu_capability()}))
     try:
         tmp.rename(target)
     except OSError:  # another process won the race: keep its copy

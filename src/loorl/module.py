@@ -36,7 +36,14 @@ from loorl.models import FrozenReference, load_causal_lm
 from loorl.profiling import PhaseClock
 from loorl.rollout.batch import Rollout, RolloutBatch
 from loorl.rollout.engine import SamplingConfig
-from loorl.settings import EstimatorSettings, KLSettings, LossSettings, ModelSettings, RLSettings
+from loorl.settings import (
+    EstimatorSettings,
+    KLSettings,
+    LossSettings,
+    LRScheduleSettings,
+    ModelSettings,
+    RLSettings,
+)
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +68,29 @@ def minibatch_groups(rl: RLSettings, *, seed: int, step: int, world_size: int = 
     return out
 
 
+def wsd_arguments(schedule: LRScheduleSettings, *, total_steps: int) -> dict:
+    """`schedule` over `total_steps` optimizer steps as the arguments of transformers'
+    warmup-stable-decay schedule: linear warm-up, then constant (no decay), or linear or cosine decay
+    to `min_lr_ratio` of the base rate over the rest. A warm-up longer than the run keeps its slope
+    (the run never reaches the peak). The TRL benchmark peer gets the same arguments."""
+    warmup = schedule.warmup_steps
+    decay = 0 if schedule.name == "constant" else max(0, total_steps - warmup)
+    return {
+        "num_warmup_steps": warmup,
+        "num_stable_steps": max(0, total_steps - warmup - decay),
+        "num_decay_steps": decay,
+        "decay_type": "cosine" if schedule.name == "constant" else schedule.name,
+        "min_lr_ratio": schedule.min_lr_ratio,
+    }
+
+
+def lr_scheduler(optimizer, schedule: LRScheduleSettings, *, total_steps: int):
+    """The learning-rate schedule (`wsd_arguments`), stepped once per optimizer step."""
+    from transformers.optimization import get_wsd_schedule
+
+    return get_wsd_schedule(optimizer, **wsd_arguments(schedule, total_steps=total_steps))
+
+
 class PolicyGradientModule(L.LightningModule):
     def __init__(
         self,
@@ -69,6 +99,7 @@ class PolicyGradientModule(L.LightningModule):
         model: ModelSettings,
         optimizer,  # a partial: optimizer(params) -> torch.optim.Optimizer
         rl: RLSettings,
+        lr_schedule: LRScheduleSettings | None = None,  # None: constant
         loss: LossSettings,
         kl: KLSettings,
         estimator: EstimatorSettings,
@@ -80,6 +111,7 @@ class PolicyGradientModule(L.LightningModule):
         super().__init__()
         self.model_path, self.model_settings, self.optimizer_factory = model_path, model, optimizer
         self.rl, self.loss_settings, self.kl, self.estimator = rl, loss, kl, estimator
+        self.lr_schedule = lr_schedule or LRScheduleSettings()
         self.sampling, self.seed, self.sampler_logprobs_exact = sampling, seed, sampler_logprobs_exact
         self.identity = identity
         self.kl_controller = (
@@ -131,7 +163,11 @@ class PolicyGradientModule(L.LightningModule):
 
     def configure_optimizers(self):
         params = [p for p in self.trainer.model.parameters() if p.requires_grad]
-        return self.optimizer_factory(params)
+        optimizer = self.optimizer_factory(params)
+        total = self.rl.steps * self.rl.steps_per_rollout
+        # stepped by training_step after each optimizer step (manual optimization); Lightning keeps its
+        # state in checkpoints
+        return {"optimizer": optimizer, "lr_scheduler": lr_scheduler(optimizer, self.lr_schedule, total_steps=total)}
 
     # ---- what the learner adds to a rollout ----------------------------------------------------
     @torch.no_grad()
@@ -185,9 +221,11 @@ class PolicyGradientModule(L.LightningModule):
         world = rank_and_world()[1]
         for groups in minibatch_groups(self.rl, seed=self.seed, step=rollout.step, world_size=world):
             stats += self.accumulate_gradients(batch.select_groups(groups), self.manual_backward)
+            lr = opt.param_groups[0]["lr"]  # the rate this step uses
             with clock.phase("optimizer"):
                 opt.step()  # clips in on_before_optimizer_step, after a 16-mixed loss scaler unscaled
                 opt.zero_grad(set_to_none=True)
+                self.lr_schedulers().step()
             stats += LossStats(steps=1)
         if self._grad_norms:
             stats += LossStats(grad_norm=sum(self._grad_norms))
@@ -195,7 +233,7 @@ class PolicyGradientModule(L.LightningModule):
         stats = stats.across_ranks()
         rewards = batch.rewards
         self.reward_mean.update(rewards[~rewards.isnan()])  # synced over ranks (sums and counts) on compute
-        metrics = {**rollout.stats, **rollout_metrics, **stats.as_metrics()}
+        metrics = {**rollout.stats, **rollout_metrics, **stats.as_metrics(), "train/lr": lr}
         seconds = float(all_reduce(time.perf_counter() - t0, "max"))
         tokens = float(all_reduce(batch.attention_mask.sum()))  # all ranks'
         metrics["perf/train_tokens_per_s"] = tokens * self.rl.epochs_per_rollout / seconds
@@ -224,8 +262,11 @@ class PolicyGradientModule(L.LightningModule):
         world = rank_and_world()[1]
         kl_coef = self.kl_controller.value if self.reference is not None and not self.kl.in_reward else None
         truncation = self.sampling.truncation  # the sampler's temperature, top-k, top-p
+        skip = self.rl.skip_zero_advantage and kl_coef is None  # a KL loss term has a gradient on every row
         stats = LossStats()
         for sub in batch.group_chunks(self.rl.prompts_per_microbatch):
+            if skip:  # the counts above are the whole mini-batch's: the loss and gradient stay the same
+                sub = sub.select_groups(sub.groups_with_signal())
             with self.clock.phase("forward"):  # the policy's pass and the loss on its logits
                 with cached_autocast(self.device):  # one bf16 copy of each weight, not one per pass
                     logits = completion_logits(

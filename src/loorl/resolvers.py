@@ -5,6 +5,8 @@
 - `${loorl.sweep_job:}`: the job's overrides as a name (`estimator=grpo,seed=1`), null outside one.
 - `${loorl.div:a,b}`: a // b for a fixed budget split into groups (`conf/ablation/k.yaml`: prompts per
   step = samples per step / K); an error when b does not divide a.
+- `${loorl.fast_dtype:}`: 'bfloat16' where bf16 compute is fast on this machine (a timed probe on
+  CPU, `loorl.hardware.fast_compute_dtype`), else 'float32'.
 """
 
 from __future__ import annotations
@@ -42,7 +44,13 @@ def exact_div(a, b) -> int:
     return a // b
 
 
+def fast_dtype() -> str:
+    from loorl.hardware import fast_compute_dtype
+
+    return fast_compute_dtype()
+
+
 def register() -> None:
     for name, fn in (("loorl.sweep_group", sweep_group), ("loorl.sweep_job", sweep_job),
-                     ("loorl.div", exact_div)):  # fmt: skip
+                     ("loorl.div", exact_div), ("loorl.fast_dtype", fast_dtype)):  # fmt: skip
         OmegaConf.register_new_resolver(name, fn, replace=True)

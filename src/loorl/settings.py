@@ -23,6 +23,7 @@ NonNegativeInt = Annotated[int, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 NonNegativeFloat = Annotated[float, Field(ge=0)]
 Fraction = Annotated[float, Field(gt=0, le=1)]
+UnitInterval = Annotated[float, Field(ge=0, le=1)]
 # The choices of every enumerated setting, defined once; the tuples are what error messages,
 # tests and docs list.
 Dtype = Literal["float32", "bfloat16", "float16"]
@@ -93,6 +94,7 @@ class RLSettings(Section):
     prompts_per_microbatch: PositiveInt = 32  # whole groups per forward/backward (and no-grad pass)
     epochs_per_rollout: PositiveInt = 1
     share_prompt: bool = True  # each group's prompt runs once in generation and training passes
+    skip_zero_advantage: bool = True  # groups whose advantages are all 0 skip the training passes
 
     def __post_init__(self) -> None:
         if self.prompts_per_step % self.prompts_per_minibatch:
@@ -141,6 +143,26 @@ class LossSettings(Section):
             raise ConfigError(
                 f"loss.ratio_level=sequence (GSPO) with loss.agg={self.agg}: GSPO's sequence ratio averages "
                 "each sequence's tokens; set loss.agg=seq-mean-token-mean, or use experiment=gspo"
+            )
+
+
+ScheduleName = Literal["constant", "linear", "cosine"]
+SCHEDULES = get_args(ScheduleName)
+
+
+@dataclass(frozen=True, config=SCHEMA)
+class LRScheduleSettings(Section):
+    """`lr_schedule`: the learning rate over the run's optimizer steps (`loorl.module.lr_scheduler`)."""
+
+    name: ScheduleName = "constant"  # linear and cosine decay to min_lr_ratio * lr at the last step
+    warmup_steps: NonNegativeInt = 0  # optimizer steps of linear warm-up from 0
+    min_lr_ratio: UnitInterval = 0.0  # the floor of linear and cosine decay
+
+    def __post_init__(self) -> None:
+        if self.name == "constant" and self.min_lr_ratio:
+            raise ConfigError(
+                f"lr_schedule.min_lr_ratio={self.min_lr_ratio} with lr_schedule.name=constant: there is no "
+                "decay to floor; set lr_schedule.name=linear or cosine, or drop min_lr_ratio"
             )
 
 
@@ -210,9 +232,14 @@ class RolloutSettings(Section):
 
 @dataclass(frozen=True, config=SCHEMA)
 class WarmStartSettings(Section):
-    steps: NonNegativeInt = 500
+    """`model.tiny.warm_start`: the supervised stage before RL (`loorl.models.warm_start`)."""
+
+    target_accuracy: Fraction | None = 0.55  # stop at this greedy accuracy on the probe; None: max_steps
+    max_steps: NonNegativeInt = 2000  # at most this many steps (all of them when target_accuracy is None)
+    check_every: PositiveInt = 5  # steps between probe checks
+    probe_size: PositiveInt = 512  # training pairs in the probe
     batch_size: PositiveInt = 64
-    lr: PositiveFloat = 1e-3
+    lr: PositiveFloat = 7e-4
     seed: int = 0
 
 
@@ -225,6 +252,7 @@ class TinyModelSettings(Section):
     num_layers: PositiveInt = 4
     num_heads: PositiveInt = 2
     num_kv_heads: PositiveInt = 1
+    tie_embeddings: bool = False  # True: the output layer shares the input embedding
     max_position_embeddings: PositiveInt = 512
     warm_start: WarmStartSettings = WarmStartSettings()
 
@@ -254,6 +282,11 @@ class RecipeSettings(Section):
     kl_coef: NonNegativeFloat
     tis_cap: PositiveFloat | None
     gpu_memory_utilization: Fraction
+    # optional: models without them sample at temperature 1.0 under a constant lr
+    temperature: PositiveFloat = 1.0
+    lr_schedule: ScheduleName = "constant"
+    lr_warmup_steps: NonNegativeInt = 0
+    lr_min_ratio: UnitInterval = 0.0
 
 
 @dataclass(frozen=True, config=SCHEMA)

@@ -69,6 +69,7 @@ def build_module(cfg: DictConfig, model_path: str, s: Settings | None = None) ->
         model=s.model,
         optimizer=instantiate(cfg.optimizer),
         rl=s.rl,
+        lr_schedule=s.lr_schedule,
         loss=s.loss,
         kl=s.kl,
         estimator=s.estimator,

@@ -52,6 +52,15 @@ class RolloutBatch:
             values[f.name] = v[rows] if isinstance(v, torch.Tensor) else v
         return RolloutBatch(**values)
 
+    def groups_with_signal(self) -> list[int]:
+        """The groups with a nonzero advantage in any row: a group whose every advantage is 0 (all its
+        samples rewarded alike, under a group baseline) adds exactly nothing to the policy gradient.
+        At least one group is returned, so that a pass still runs (and a data-parallel all-reduce
+        still meets its peers)."""
+        nonzero = (self.advantages != 0).view(self.num_groups, self.group_size).any(-1)  # [G]
+        groups = nonzero.nonzero().flatten().tolist()
+        return groups or [0]
+
     def group_chunks(self, groups_per_chunk: int | None) -> Iterator[RolloutBatch]:
         """The batch in consecutive pieces of whole groups (micro-batches, log-prob passes); the
         batch itself when one piece holds it all (`groups_per_chunk` None or large enough)."""

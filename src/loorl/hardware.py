@@ -1,0 +1,52 @@
+"""What the machine can do, measured rather than assumed: the CPU's kernel capability and whether
+bf16 matrix products are fast on it.
+
+The same recipe meets CPUs with and without bf16 units. With them (AVX512-BF16, AMX) a bf16 matrix
+product runs at several times the float32 rate; without them oneDNN emulates bf16 and runs at a
+small fraction of it (measured on an AVX-512 EPYC, 256x256 products: 6.2x float32 with its bf16
+units, 0.02x with `ONEDNN_MAX_CPU_ISA=AVX2`, which hides them). Instruction-set flags do not tell
+which kernels torch and oneDNN will pick, so `fast_compute_dtype` times both.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import torch
+
+log = logging.getLogger("loorl")
+
+BF16_SPEEDUP_NEEDED = 1.5  # bf16 must beat float32 by this factor to be chosen (it also rounds)
+
+
+def cpu_capability() -> str:
+    """The vector extension torch's CPU kernels run with (`ATEN_CPU_CAPABILITY` lowers it)."""
+    return str(torch.backends.cpu.get_cpu_capability())
+
+
+def matmul_rate(dtype: torch.dtype, *, size: int = 256, reps: int = 4) -> float:
+    """Matrix products per second of two [size, size] CPU tensors in `dtype` (one warm-up product)."""
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    a @ b
+    start = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    return reps / max(time.perf_counter() - start, 1e-9)
+
+
+@functools.cache
+def fast_compute_dtype() -> str:
+    """'bfloat16' where bf16 compute is fast (a CUDA GPU that supports it, or a CPU whose timed bf16
+    matrix product beats float32 by `BF16_SPEEDUP_NEEDED`), else 'float32'. Measured once a process."""
+    if torch.cuda.is_available():
+        choice = "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+        log.info("compute dtype %s: CUDA device %s", choice, torch.cuda.get_device_name())
+        return choice
+    speedup = matmul_rate(torch.bfloat16) / matmul_rate(torch.float32)
+    choice = "bfloat16" if speedup >= BF16_SPEEDUP_NEEDED else "float32"
+    log.info("compute dtype %s: a bf16 matrix product runs at %.2fx float32 on this CPU (%s kernels)",
+             choice, speedup, cpu_capability())  # fmt: skip
+    return choice
