@@ -87,7 +87,8 @@ CASES = [
     (["kl.adaptive=true", "kl.coef=0"], "kl.coef", ["kl.adaptive"]),
     (["model.dtype=float8"], "model.dtype", ["float8", "bfloat16"]),
     (["model.name_or_path=/nonexistent/model"], "model.name_or_path", ["/nonexistent/model"]),
-    (["strategy=ddp", "trainer.devices=3"], "rl.prompts_per_step", ["multiple of 3"]),
+    # 5 divides no recipe's prompts per step (a case that passed would launch real processes here)
+    (["strategy=ddp", "trainer.devices=5"], "rl.prompts_per_step", ["multiple of 5"]),
     (["trainer.devices=2"], "strategy=auto", ["strategy=ddp", "strategy=fsdp"]),
     (["trainer.strategy=deepspeed"], "trainer.strategy=deepspeed", ["strategy=ddp", "strategy=fsdp"]),
     (["rollout.engine=sglang"], "rollout.engine", ["sglang", "hf", "vllm", "auto"]),
