@@ -207,7 +207,8 @@ def test_module_gradient_equals_hand_built_estimate_and_ignores_microbatch_size(
         module.configure_model()
         module.accumulate_gradients(batch, lambda loss: loss.backward())
         grads[micro] = _grads(module)
-    assert torch.allclose(grads[1], grads[4], atol=1e-6, rtol=1e-5)
+    scale = grads[4].abs().max()  # float32 sums in another order: equal to 1e-5 of the gradient's scale
+    assert (grads[1] - grads[4]).abs().max() <= 1e-5 * scale
 
     # the hand-built estimate: one sequence at a time
     model = module.policy
@@ -216,7 +217,7 @@ def test_module_gradient_equals_hand_built_estimate_and_ignores_microbatch_size(
     n = batch.input_ids.shape[0]
     for i in range(n):
         one = _single_row(batch, i)
-        logp = completion_logprobs(model, one, sampling=SamplingConfig(max_new_tokens=5))  # [1, C]
+        logp = completion_logprobs(model, one, sampling=module.sampling)  # [1, C], at the run's temperature
         seq_logp = (logp * one.completion_mask).sum()
         for e, g in zip(expected, torch.autograd.grad(seq_logp, params)):
             e -= batch.advantages[i] * g / n
@@ -246,7 +247,8 @@ def test_groups_without_signal_skip_the_training_passes_and_change_nothing(quick
         stats[skip] = module.accumulate_gradients(batch, lambda loss: loss.backward())
         grads[skip], rows[skip] = _grads(module), sum(seen)
     assert rows[True] < rows[False]  # fewer rows ran (the shared prompt runs once per group on top)
-    assert torch.allclose(grads[True], grads[False], atol=1e-7, rtol=1e-5)
+    scale = grads[False].abs().max()  # the same sums in another order: equal to 1e-5 of the gradient's scale
+    assert (grads[True] - grads[False]).abs().max() <= 1e-5 * scale
     assert stats[True].loss == pytest.approx(stats[False].loss, rel=1e-5, abs=1e-8)
 
 
@@ -335,7 +337,7 @@ def test_truncated_importance_weights_scale_the_gradient(quick_config, tiny, log
     plain = build_module(quick_config(), path)
     plain.configure_model()
     with torch.no_grad():
-        exact = completion_logprobs(plain.policy, batch, sampling=SamplingConfig(max_new_tokens=5))  # [N, C]
+        exact = completion_logprobs(plain.policy, batch, sampling=plain.sampling)  # [N, C], the run's temperature
     batch.sampler_logprobs = exact - log_ratio  # the sampler saw pi_train / ratio
     plain.accumulate_gradients(batch, lambda loss: loss.backward())
     corrected = build_module(quick_config(f"loss.tis_cap={cap}"), path)
