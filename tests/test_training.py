@@ -98,7 +98,8 @@ def test_kl_in_reward_loads_reference_and_logs_kl(quick_cfg, tmp_path):
     history = _history(tmp_path / "run")
     kls = [v for _, v in history["rollout/kl"]]
     assert kls[0] == pytest.approx(0.0, abs=1e-6)  # the first rollout comes from the reference itself
-    assert kls[-1] > 0  # the policy has moved away from it
+    # the policy has moved away from it (k1's sample mean is unbiased but may be negative)
+    assert abs(kls[-1]) > 1e-4
     assert [v for _, v in history["rollout/kl_coef"]] == pytest.approx([0.1, 0.1, 0.1])
 
 
