@@ -22,6 +22,7 @@ tiny model runs in float32 and does not use them.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -39,6 +40,7 @@ ORDER = ("default", "avx2", "avx512")  # ATEN_CPU_CAPABILITY values, narrowest f
 FIXED = ["val_pass_k=0", "checkpoint_every=0", "export_policy=false", "trainer.enable_progress_bar=false"]
 
 
+@functools.cache
 def native_capability() -> str:
     """The widest capability this CPU runs (torch's own choice, without ATEN_CPU_CAPABILITY)."""
     env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
@@ -60,18 +62,33 @@ def cpu_name() -> str:
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--capabilities", default=None,
-                        help="comma-separated ATEN_CPU_CAPABILITY values (default: every one this CPU runs)")
-    parser.add_argument("--ws-seeds", type=int, default=5, help="warm-start seeds 0..N-1, RL seed 0 (default 5)")
-    parser.add_argument("--rl-seeds", default="1,2", help="RL seeds on warm-start seed 0 (default 1,2; '' for none)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--capabilities",
+        default=None,
+        help="comma-separated ATEN_CPU_CAPABILITY values (default: every one this CPU runs)",
+    )
+    parser.add_argument(
+        "--ws-seeds", type=int, default=5, help="warm-start seeds 0..N-1, RL seed 0 (default 5)"
+    )
+    parser.add_argument(
+        "--rl-seeds", default="1,2", help="RL seeds on warm-start seed 0 (default 1,2; '' for none)"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "cpu_grid", help="output folder")
-    parser.add_argument("--gain", type=float, default=0.25, help="the bar: held-out accuracy gain (default 0.25)")
-    parser.add_argument("--final", type=float, default=0.90, help="the bar: final held-out accuracy (default 0.90)")
+    parser.add_argument(
+        "--gain", type=float, default=0.25, help="the bar: held-out accuracy gain (default 0.25)"
+    )
+    parser.add_argument(
+        "--final", type=float, default=0.90, help="the bar: final held-out accuracy (default 0.90)"
+    )
     parser.add_argument("--table-only", action="store_true", help="tabulate the runs already under --out")
     args, overrides = parser.parse_known_args(argv)  # fmt: skip
     if any(o.startswith("-") for o in overrides):
-        parser.error(f"unknown option {next(o for o in overrides if o.startswith('-'))}; Hydra overrides are key=value")
+        parser.error(
+            f"unknown option {next(o for o in overrides if o.startswith('-'))}; Hydra overrides are key=value"
+        )
     return args, overrides
 
 
@@ -137,14 +154,17 @@ def collect(args, caps: list[str]) -> list[dict]:
     return rows
 
 
-def markdown(rows: list[dict], args, cpu: str, overrides: list[str]) -> str:
-    def meets(r):
-        return r["final"] - r["start"] >= args.gain - 1e-9 and r["final"] >= args.final - 1e-9
+def meets(row: dict, args) -> bool:
+    """The bar: at least `--gain` held-out accuracy gained and at least `--final` at the end."""
+    return row["final"] - row["start"] >= args.gain - 1e-9 and row["final"] >= args.final - 1e-9
 
+
+def markdown(rows: list[dict], args, cpu: str, overrides: list[str]) -> str:
     lines = [
         f"CPU: {cpu}. Overrides: {' '.join(overrides) or '(none: the default run)'}.",
         "",
-        "| capability | warm-start seed | RL seed | warm start (SFT steps, probe) | start | best | final | gain | wall (s) | bar |",
+        "| capability | warm-start seed | RL seed | warm start (SFT steps, probe) | start | best | final "
+        "| gain | wall (s) | bar |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
@@ -153,15 +173,17 @@ def markdown(rows: list[dict], args, cpu: str, overrides: list[str]) -> str:
         lines.append(
             f"| {r['capability']} | {r['ws_seed']} | {r['rl_seed']} | {ws} | {100 * r['start']:.1f}% | "
             f"{100 * r['best']:.1f}% | {100 * r['final']:.1f}% | {100 * (r['final'] - r['start']):+.1f} | "
-            f"{r['wall_seconds']:.1f} | {'yes' if meets(r) else '**no**'} |"
+            f"{r['wall_seconds']:.1f} | {'yes' if meets(r, args) else '**no**'} |"
         )
     if rows:
+
         def span(key, scale=100.0, fmt=".1f"):
             values = [scale * r[key] for r in rows]
             return f"{min(values):{fmt}} to {max(values):{fmt}}"
 
         gains = [100 * (r["final"] - r["start"]) for r in rows]
-        lines += ["", f"{sum(map(meets, rows))} of {len(rows)} runs gain at least {100 * args.gain:.0f} points and "
+        passed = sum(meets(r, args) for r in rows)
+        lines += ["", f"{passed} of {len(rows)} runs gain at least {100 * args.gain:.0f} points and "
                       f"end at {100 * args.final:.0f}% or more. Ranges: start {span('start')}%, final "
                       f"{span('final')}%, gain {min(gains):+.1f} to {max(gains):+.1f}, best minus final "
                       f"{min(100 * (r['best'] - r['final']) for r in rows):.1f} to "
@@ -182,10 +204,13 @@ def main(argv: list[str]) -> int:
     table = markdown(rows, args, cpu, overrides)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "table.md").write_text(table)
-    (args.out / "table.json").write_text(json.dumps({"cpu": cpu, "overrides": overrides, "runs": rows}, indent=1))
-    print(table + f"\n{len(rows)} runs in {time.perf_counter() - started:.0f} s; written to {args.out}/table.md")
-    bar = all(r["final"] - r["start"] >= args.gain - 1e-9 and r["final"] >= args.final - 1e-9 for r in rows)
-    return 0 if rows and bar else 1
+    (args.out / "table.json").write_text(
+        json.dumps({"cpu": cpu, "overrides": overrides, "runs": rows}, indent=1)
+    )
+    print(
+        table + f"\n{len(rows)} runs in {time.perf_counter() - started:.0f} s; written to {args.out}/table.md"
+    )
+    return 0 if rows and all(meets(r, args) for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,19 +29,13 @@ import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from loorl.config import CONF_DIR  # noqa: E402
+from loorl.hardware import matmul_seconds  # noqa: E402
 from loorl.profiling import PHASES  # noqa: E402
 
 
 def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
     """GFLOP/s of an n x n x n matrix product in `dtype` (best of `repeats`, after a warm-up)."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best / 1e9
+    return 2 * n**3 / matmul_seconds(dtype, size=n, reps=repeats) / 1e9
 
 
 class ProfileSteps(L.Callback):

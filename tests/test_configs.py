@@ -450,7 +450,14 @@ def test_check_group_choices_rejects(override, bad, group, listed):
     assert bad in msg and group in msg and listed in msg
 
 
-RECIPE_SMOLLM2 = {"lr": 2.0e-5, "K": 4, "B": 8, "kl": 0.0, "tis_cap": 2.0, "schedule": "cosine"}  # measured: README
+RECIPE_SMOLLM2 = {
+    "lr": 2.0e-5,
+    "K": 4,
+    "B": 8,
+    "kl": 0.0,
+    "tis_cap": 2.0,
+    "schedule": "cosine",
+}  # measured: README
 # Each model's recommended RL settings, pinned: `estimator=rloo model=<m>` must train with these.
 RECIPES = {
     "tiny": {"lr": 3.0e-4, "K": 4, "B": 96, "kl": 0.0, "tis_cap": None, "T": 0.7, "schedule": "cosine"},

@@ -8,9 +8,18 @@ import sys
 
 import torch
 
-from loorl.hardware import bf16_speedup, cpu_capability, dtype_for_speedup, fast_compute_dtype, matmul_seconds
+from loorl.hardware import (
+    bf16_speedup,
+    cpu_capability,
+    dtype_for_speedup,
+    fast_compute_dtype,
+    matmul_seconds,
+)
 
-PROBE = "from loorl.hardware import fast_compute_dtype, cpu_capability; print(fast_compute_dtype(), cpu_capability())"
+PROBE = (
+    "from loorl.hardware import fast_compute_dtype, cpu_capability; "
+    "print(fast_compute_dtype(), cpu_capability())"
+)
 
 
 def _probe_in(env: dict[str, str]) -> list[str]:
@@ -23,7 +32,12 @@ def test_the_choice_follows_the_measured_speed():
     """bf16 exactly when its product beats float32 by the margin: the rule at hand values, and the
     process's one measurement (the fastest of 5 timed products each; the two CPUs seen measure
     0.03x and 2-6x, far on either side of 1.5x)."""
-    assert [dtype_for_speedup(x) for x in (0.03, 1.49, 1.5, 6.2)] == ["float32", "float32", "bfloat16", "bfloat16"]
+    assert [dtype_for_speedup(x) for x in (0.03, 1.49, 1.5, 6.2)] == [
+        "float32",
+        "float32",
+        "bfloat16",
+        "bfloat16",
+    ]
     if not torch.cuda.is_available():
         assert fast_compute_dtype() == dtype_for_speedup(bf16_speedup())
     assert matmul_seconds(torch.float32, size=64, reps=2) > 0

@@ -44,7 +44,9 @@ def test_cosine_with_warmup_and_a_floor_by_hand():
     expected += [floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * (s - warmup) / (total - warmup)))
                  for s in range(warmup, total)]  # fmt: skip
     assert rates == pytest.approx(expected)
-    assert rates[2] == pytest.approx(1.0) and rates[-1] == pytest.approx(0.1 + 0.9 * 0.5 * (1 - math.cos(math.pi / 8)))
+    assert rates[2] == pytest.approx(1.0) and rates[-1] == pytest.approx(
+        0.1 + 0.9 * 0.5 * (1 - math.cos(math.pi / 8))
+    )
 
 
 def test_warmup_longer_than_the_run_is_all_warmup():

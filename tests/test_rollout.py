@@ -242,8 +242,11 @@ def test_groups_without_signal_skip_the_training_passes_and_change_nothing(quick
         module = build_module(quick_config(f"rl.skip_zero_advantage={skip}", *settings), path)
         module.configure_model()
         seen = []
-        module.policy.register_forward_pre_hook(lambda m, args, kw: seen.append(kw["input_ids"].shape[0]),
-                                                with_kwargs=True)  # fmt: skip
+
+        def count_rows(module_, args, kwargs, seen=seen):
+            seen.append(kwargs["input_ids"].shape[0])
+
+        module.policy.register_forward_pre_hook(count_rows, with_kwargs=True)
         stats[skip] = module.accumulate_gradients(batch, lambda loss: loss.backward())
         grads[skip], rows[skip] = _grads(module), sum(seen)
     assert rows[True] < rows[False]  # fewer rows ran (the shared prompt runs once per group on top)
@@ -259,7 +262,8 @@ def test_a_minibatch_without_signal_still_runs_one_group():
     n, k = 8, 4
     batch = RolloutBatch(input_ids=torch.zeros(n, 3, dtype=torch.long), attention_mask=torch.ones(n, 3),
                          completion_mask=torch.ones(n, 1), sampler_logprobs=torch.zeros(n, 1),
-                         rewards=torch.ones(n), group_size=k, prompt_len=2, advantages=torch.zeros(n))  # fmt: skip
+                         rewards=torch.ones(n), group_size=k, prompt_len=2,
+                         advantages=torch.zeros(n))  # fmt: skip
     assert batch.groups_with_signal() == [0]
 
 
@@ -337,7 +341,9 @@ def test_truncated_importance_weights_scale_the_gradient(quick_config, tiny, log
     plain = build_module(quick_config(), path)
     plain.configure_model()
     with torch.no_grad():
-        exact = completion_logprobs(plain.policy, batch, sampling=plain.sampling)  # [N, C], the run's temperature
+        exact = completion_logprobs(
+            plain.policy, batch, sampling=plain.sampling
+        )  # [N, C], the run's temperature
     batch.sampler_logprobs = exact - log_ratio  # the sampler saw pi_train / ratio
     plain.accumulate_gradients(batch, lambda loss: loss.backward())
     corrected = build_module(quick_config(f"loss.tis_cap={cap}"), path)

@@ -20,7 +20,12 @@ from loorl.train import instantiate_unwrapped, train
 
 REPO = CONF_DIR.parent
 # a quick RL run on the data-set tasks; completions stay short so the tests stay fast
-DATA_QUICK = ["debug=quick", "rollout.max_new_tokens=24", "val_pass_k=2", "model.tiny.warm_start.max_steps=60"]
+DATA_QUICK = [
+    "debug=quick",
+    "rollout.max_new_tokens=24",
+    "val_pass_k=2",
+    "model.tiny.warm_start.max_steps=60",
+]
 
 
 @pytest.fixture(scope="module")

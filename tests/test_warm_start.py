@@ -20,7 +20,7 @@ from loorl.models import (
     sft_batch,
     warm_start,
 )
-from loorl.settings import WarmStartSettings
+from loorl.settings import TinyModelSettings, WarmStartSettings
 from loorl.tasks.arithmetic import ArithmeticTask
 
 
@@ -66,7 +66,9 @@ def test_greedy_exact_agrees_with_greedy_decoding(quick_model):
 
 def _probe_accuracy(policy, tokenizer, task, ws) -> float:
     """The warm start's own probe (its fixed draw) on `policy`."""
-    probe = sft_batch(task.sft_examples(ws.probe_size, rng=np.random.default_rng([ws.seed, 1])), tokenizer, 512)
+    probe = sft_batch(
+        task.sft_examples(ws.probe_size, rng=np.random.default_rng([ws.seed, 1])), tokenizer, 512
+    )
     with torch.no_grad():
         return float(greedy_exact(policy(input_ids=probe[0]).logits, *probe).float().mean())
 
@@ -74,11 +76,7 @@ def _probe_accuracy(policy, tokenizer, task, ws) -> float:
 def _warm_started(ws: WarmStartSettings, task):
     tokenizer = build_char_tokenizer()
     torch.manual_seed(ws.seed)
-    from omegaconf import OmegaConf
-
-    tiny = OmegaConf.create({"hidden_size": 128, "intermediate_size": 512, "num_layers": 4, "num_heads": 2,
-                             "num_kv_heads": 1, "max_position_embeddings": 512})  # fmt: skip
-    policy = _tiny_policy(tiny, tokenizer)
+    policy = _tiny_policy(TinyModelSettings(), tokenizer)  # the default architecture
     return policy, tokenizer, warm_start(policy, tokenizer, task, ws)
 
 

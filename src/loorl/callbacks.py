@@ -118,8 +118,11 @@ class RunSummary(L.Callback):
 
         rows = [
             ("RL steps (optimizer steps)", f"{s['rl_steps']} ({s['optimizer_steps']})"),
-            ("held-out greedy accuracy", f"{pct(s['val_accuracy_start'])} -> {pct(s['val_accuracy_end'])} "
-                                         f"(best {pct(s['val_accuracy_best'])})"),  # fmt: skip
+            (
+                "held-out greedy accuracy",
+                f"{pct(s['val_accuracy_start'])} -> {pct(s['val_accuracy_end'])} "
+                f"(best {pct(s['val_accuracy_best'])})",
+            ),  # fmt: skip
         ]
         if self.pass_k:  # val_pass_k=0: not measured, no rows
             for name, key in (("pass", "val_pass_at_k"), ("maj", "val_maj_at_k")):

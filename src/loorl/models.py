@@ -86,18 +86,19 @@ def tiny_model_dir(model_cfg: DictConfig, task_cfg: DictConfig) -> Path:
     return Path(os.path.expanduser(model_cfg.cache_dir)) / f"tiny-{tiny_cache_key(model_cfg.tiny, task_cfg)}"
 
 
-def _tiny_policy(tiny_cfg: DictConfig, tokenizer):
+def _tiny_policy(tiny, tokenizer):
+    """An untrained model of `tiny` (`settings.TinyModelSettings`)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=tiny_cfg.hidden_size,
-        intermediate_size=tiny_cfg.intermediate_size,
-        num_hidden_layers=tiny_cfg.num_layers,
-        num_attention_heads=tiny_cfg.num_heads,
-        num_key_value_heads=tiny_cfg.num_kv_heads,
-        max_position_embeddings=tiny_cfg.max_position_embeddings,
-        tie_word_embeddings=tiny_cfg.get("tie_embeddings", True),
+        hidden_size=tiny.hidden_size,
+        intermediate_size=tiny.intermediate_size,
+        num_hidden_layers=tiny.num_layers,
+        num_attention_heads=tiny.num_heads,
+        num_key_value_heads=tiny.num_kv_heads,
+        max_position_embeddings=tiny.max_position_embeddings,
+        tie_word_embeddings=tiny.tie_embeddings,
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.eos_token_id,
@@ -117,7 +118,9 @@ def sft_batch(pairs, tokenizer, max_len: int) -> tuple[torch.Tensor, torch.Tenso
         seqs.append(p + a)
         masks.append([0] * len(p) + [1] * len(a))
     if not seqs:
-        raise ConfigError(f"no warm-start example fits model.tiny.max_position_embeddings={max_len}: raise it")
+        raise ConfigError(
+            f"no warm-start example fits model.tiny.max_position_embeddings={max_len}: raise it"
+        )
     ids, _ = pad(seqs, value=tokenizer.pad_token_id, side="right")  # [B, L]
     target_mask, _ = pad(masks, value=0.0, side="right", dtype=torch.float)  # [B, L] 1 on the answer
     return ids, target_mask
@@ -157,7 +160,9 @@ def warm_start(policy, tokenizer, task: Task, ws) -> WarmStartResult:
     max_len = policy.config.max_position_embeddings
     probe = None
     if ws.target_accuracy is not None:  # its own stream: the training batches do not depend on it
-        probe = sft_batch(task.sft_examples(ws.probe_size, rng=np.random.default_rng([ws.seed, 1])), tokenizer, max_len)
+        probe = sft_batch(
+            task.sft_examples(ws.probe_size, rng=np.random.default_rng([ws.seed, 1])), tokenizer, max_len
+        )
     opt = torch.optim.AdamW(policy.parameters(), lr=ws.lr)
     loss, accuracy, step = torch.tensor(float("nan")), None, 0
     # disable=None: a bar on a terminal, nothing in a log file (the build logs its start and end)
@@ -196,21 +201,24 @@ def ensure_tiny_model(model_cfg: DictConfig, task_cfg: DictConfig, task: Task) -
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     log.info("building the tiny model into %s (cached for later runs)", target)
-    from loorl.settings import WarmStartSettings
+    from loorl.settings import TinyModelSettings
 
-    ws = WarmStartSettings.from_cfg(model_cfg.tiny.warm_start, "model.tiny.warm_start")
+    tiny = TinyModelSettings.from_cfg(model_cfg.tiny, "model.tiny")
+    ws = tiny.warm_start
     tokenizer = build_char_tokenizer()
     torch.manual_seed(ws.seed)  # the initial weights too: the cache key must determine the model
-    policy = _tiny_policy(model_cfg.tiny, tokenizer)
+    policy = _tiny_policy(tiny, tokenizer)
     result = warm_start(policy, tokenizer, task, ws)
     if ws.target_accuracy is None:
         log.info("tiny model warm start: %d steps, final loss %.4f", result.steps, result.loss)
     elif result.probe_accuracy >= ws.target_accuracy:
-        log.info("tiny model warm start: probe greedy accuracy %.3f (target %.2f) after %d steps, loss %.4f",
-                 result.probe_accuracy, ws.target_accuracy, result.steps, result.loss)  # fmt: skip
+        log.info("tiny model warm start: probe greedy accuracy %.3f (target %.2f) after %d steps, "
+                 "loss %.4f", result.probe_accuracy, ws.target_accuracy,
+                 result.steps, result.loss)  # fmt: skip
     else:
-        log.warning("tiny model warm start: probe greedy accuracy %.3f after model.tiny.warm_start.max_steps=%d, "
-                    "below target_accuracy=%.2f: RL starts from a weaker model (raise max_steps or lr)",
+        log.warning("tiny model warm start: probe greedy accuracy %.3f after "
+                    "model.tiny.warm_start.max_steps=%d, below target_accuracy=%.2f: RL starts from a "
+                    "weaker model (raise max_steps or lr)",
                     result.probe_accuracy, result.steps, ws.target_accuracy)  # fmt: skip
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     policy.save_pretrained(tmp)

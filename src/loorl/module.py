@@ -167,7 +167,10 @@ class PolicyGradientModule(L.LightningModule):
         total = self.rl.steps * self.rl.steps_per_rollout
         # stepped by training_step after each optimizer step (manual optimization); Lightning keeps its
         # state in checkpoints
-        return {"optimizer": optimizer, "lr_scheduler": lr_scheduler(optimizer, self.lr_schedule, total_steps=total)}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": lr_scheduler(optimizer, self.lr_schedule, total_steps=total),
+        }
 
     # ---- what the learner adds to a rollout ----------------------------------------------------
     @torch.no_grad()
@@ -265,8 +268,9 @@ class PolicyGradientModule(L.LightningModule):
         skip = self.rl.skip_zero_advantage and kl_coef is None  # a KL loss term has a gradient on every row
         stats = LossStats()
         for sub in batch.group_chunks(self.rl.prompts_per_microbatch):
-            if skip:  # the counts above are the whole mini-batch's: the loss and gradient stay the same
-                sub = sub.select_groups(sub.groups_with_signal())
+            keep = sub.groups_with_signal() if skip else None
+            if keep is not None and len(keep) < sub.num_groups:  # the counts above are the whole
+                sub = sub.select_groups(keep)  # mini-batch's: the loss and gradient stay the same
             with self.clock.phase("forward"):  # the policy's pass and the loss on its logits
                 with cached_autocast(self.device):  # one bf16 copy of each weight, not one per pass
                     logits = completion_logits(
