@@ -73,7 +73,8 @@ def test_eval_of_the_checkpoint_matches_the_exported_policy(trained, model_cache
     ckpt = run / "checkpoints" / "last.ckpt"
     results = evaluate(eval_config(model_cache, tmp_path / "ckpt", f"policy={ckpt}", "eval.samples=0"))
     assert results["metrics"]["pass@1_greedy"] == pytest.approx(summary["val_accuracy_end"], abs=1e-6)
-    assert set(results["metrics"]) == {"pass@1_greedy", "reward"}  # samples=0: greedy only
+    assert set(results["metrics"]) == {"pass@1_greedy", "reward", "unscorable"}  # samples=0: greedy only
+    assert results["metrics"]["unscorable"] == 0 and results["facts"] == {}  # arithmetic: no sandbox
 
 
 def test_eval_on_drawn_training_prompts(trained, model_cache, tmp_path):
@@ -89,6 +90,7 @@ def test_eval_on_drawn_training_prompts(trained, model_cache, tmp_path):
     assert results["num_prompts"] == 16 and set(results["metrics"]) == {
         "pass@1_greedy",
         "reward",
+        "unscorable",
         "pass@2",
         "maj@2",
     }

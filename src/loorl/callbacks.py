@@ -41,10 +41,13 @@ class RunSummary(L.Callback):
     is sampled from the policy after s updates, the validation after epoch s from the one after s+1.
     """
 
-    def __init__(self, output_dir: str, title: str = "loorl run", pass_k: int = 0) -> None:
+    def __init__(
+        self, output_dir: str, title: str = "loorl run", pass_k: int = 0, facts: dict[str, str] | None = None
+    ) -> None:
         self.output_dir = Path(output_dir)
         self.title = title
         self.pass_k = pass_k
+        self.facts = dict(facts or {})  # name -> one line the summary states as is (the task's run_facts)
         self.history: dict[str, list[tuple[int, float]]] = {}
         self.started = time.perf_counter()
         self.summary_text = ""
@@ -149,6 +152,7 @@ class RunSummary(L.Callback):
             ("generation tokens/s", num(s["gen_tokens_per_s"], ".0f")),
             ("training tokens/s", num(s["train_tokens_per_s"], ".0f")),
         ]
+        rows += list(self.facts.items())
         if not math.isnan(s["step_seconds"]):
             parts = ", ".join(
                 f"{p} {s[p + '_seconds']:.2f}" for p in PHASES if not math.isnan(s[p + "_seconds"])
@@ -219,16 +223,16 @@ class SampleLog(L.Callback):
                     "prompt": batch["prompts"][i],
                     "completion": batch["completions"][i],
                     "reward": None if math.isnan(reward) else reward,
-                    "correct": int(batch["correct"][i]),
+                    "correct": None if math.isnan(float(batch["correct"][i])) else int(batch["correct"][i]),
                 }
             )
 
     @staticmethod
     def _typed(row: dict[str, str]) -> dict:
         """A row read back from the CSV, with the types it was written with (an empty reward: None)."""
-        reward = row["reward"]
+        reward, correct = row["reward"], row["correct"]
         return {**row, "step": int(row["step"]), "reward": float(reward) if reward else None,
-                "correct": int(row["correct"])}  # fmt: skip
+                "correct": int(correct) if correct else None}  # fmt: skip
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         rows, self.pending = self.pending, []

@@ -71,12 +71,14 @@ def markdown(results: dict) -> str:
         ("task (split, prompts)", f"{results['task']} ({e['split']}, {results['num_prompts']})"),
         ("greedy pass@1", pct(m["pass@1_greedy"])),
         ("mean reward (greedy)", "n/a" if math.isnan(m["reward"]) else f"{m['reward']:.3f}"),
+        ("unscorable greedy samples (left out of pass@1)", f"{m.get('unscorable', 0):.0f}"),
     ]
     if e["samples"]:
         rows += [
             (f"pass@{e['k']} (unbiased, n={e['samples']})", pct(m[f"pass@{e['k']}"])),
             (f"maj@{e['k']} (majority vote)", pct(m[f"maj@{e['k']}"])),
         ]
+    rows += list(results.get("facts", {}).items())  # e.g. the sandbox isolation of a code task
     rows.append(("wall time", f"{results['seconds']:.1f} s"))
     lines = [f"## Evaluation: {results['model']}", "", "| metric | value |", "| --- | --- |"]
     return "\n".join(lines + [f"| {k} | {v} |" for k, v in rows]) + "\n"
@@ -105,6 +107,8 @@ def evaluate(cfg: DictConfig) -> dict:
     output_dir.mkdir(parents=True, exist_ok=True)
 
     task = instantiate_unwrapped(cfg.task)
+    for name, line in task.run_facts().items():
+        log.info("%s: %s", name, line)
     model_path = resolve_model_path(cfg.model, cfg.task, task)
     tokenizer = load_tokenizer(model_path)
     evaluation = {"eval_samples": e.samples, "eval_split": e.split, "eval_limit": e.num_prompts}
@@ -121,7 +125,8 @@ def evaluate(cfg: DictConfig) -> dict:
     logged = trainer.validate(
         module, datamodule=datamodule, ckpt_path=str(policy) if kind == "checkpoint" else None, verbose=False
     )[0]
-    metrics = {"pass@1_greedy": logged["val/accuracy"], "reward": logged.get("val/reward", float("nan"))}
+    metrics = {"pass@1_greedy": logged["val/accuracy"], "reward": logged.get("val/reward", float("nan")),
+               "unscorable": logged.get("val/unscorable", 0.0)}
     if e.samples:
         metrics[f"pass@{e.k}"] = logged["val/pass_at_k"]
         metrics[f"maj@{e.k}"] = logged["val/maj_at_k"]
@@ -133,6 +138,7 @@ def evaluate(cfg: DictConfig) -> dict:
         "eval": {"split": e.split, "samples": e.samples, "k": e.k, "seed": s.run.seed},
         "metrics": {k: float(v) for k, v in metrics.items()},
         "seconds": time.perf_counter() - started,
+        "facts": task.run_facts(),
     }
     if trainer.is_global_zero:
         (output_dir / "results.json").write_text(json.dumps(results, indent=1))

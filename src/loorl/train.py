@@ -129,6 +129,9 @@ def train(cfg: DictConfig) -> dict[str, float]:
     L.seed_everything(s.run.seed, workers=True, verbose=False)
 
     task = instantiate_unwrapped(cfg.task)
+    facts = task.run_facts()  # e.g. the sandbox isolation of a code task: said once, and in summary.md
+    for name, line in facts.items():
+        log.info("%s: %s", name, line)
     model_path = resolve_model_path(cfg.model, cfg.task, task)
     tokenizer = load_tokenizer(model_path)
     datamodule = build_datamodule(cfg, task, tokenizer, model_path, s)
@@ -139,6 +142,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         str(output_dir),
         title=f"{s.estimator.name} on {cfg.task.name} ({model_label(s.model)})",
         pass_k=s.run.val_pass_k,
+        facts=facts,
     )
     callbacks = [
         EngineSync(datamodule.engine),

@@ -69,6 +69,16 @@ class Task(ABC):
         it has none. Default: the stripped completion."""
         return completion.strip() or None
 
+    def votes_on_answers(self, prompt: Prompt) -> bool:
+        """Whether maj@k means something for this prompt: its samples' extracted answers can agree (a
+        number, a normalised expression). Code tasks say no (see `CodeTask`)."""
+        return True
+
+    def run_facts(self) -> dict[str, str]:
+        """What a run with this task should state at its start and in its summary (name -> one line),
+        such as the sandbox isolation that a code task's programs run under."""
+        return {}
+
     def is_correct(self, prompt: Prompt, completion: str) -> bool:
         """Task accuracy of one completion."""
         return self.grade(prompt, completion)[1]

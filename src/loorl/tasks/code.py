@@ -112,6 +112,26 @@ def extract_code(completion: str, style: str) -> str:
     return fenced.group(1) if fenced else completion
 
 
+REQUIRE = ("full", "any")
+
+
+def check_isolation(require: str = "full") -> dict[str, str]:
+    """The sandbox's isolation on this machine (probed once), refused in one line when it is below
+    `task.sandbox.require`: `full` (root with namespaces; the default) or `any` (whatever holds: see
+    `loorl.sandbox`)."""
+    if require not in REQUIRE:
+        raise ConfigError(f"task.sandbox.require={require!r} is not one of: {', '.join(REQUIRE)}")
+    fences = sandbox.isolation()
+    if require == "full" and fences["level"] != "full":
+        refused = fences["refused"] or "not root"
+        raise ConfigError(
+            f"task.sandbox.require=full, but the sandbox here is {fences['level']} ({refused}; programs "
+            f"would run with network {fences['network']}, filesystem {fences['filesystem']}): run as root "
+            "where namespaces are allowed, or set task.sandbox.require=any to accept it"
+        )
+    return fences
+
+
 class CodeTask(Task):
     name = "humaneval"
 
@@ -133,7 +153,9 @@ class CodeTask(Task):
         workers: int = 2,
         max_new_tokens: int = 384,
         cache_dir: str = "~/.cache/loorl",
+        sandbox: dict | None = None,
     ) -> None:
+        self.isolation = check_isolation(**(sandbox or {}))  # before any model loads
         if style not in STYLES:
             raise ConfigError(f"task.style={style!r} is not one of: {', '.join(STYLES)}")
         if workers < 1:
@@ -233,8 +255,19 @@ class CodeTask(Task):
     def reward(self, prompt: Prompt, completion: str) -> float | None:
         return self.grade(prompt, completion)[0]
 
+    def votes_on_answers(self, prompt: Prompt) -> bool:
+        """No maj@k for code. Sampled programs almost never have the same text, so a vote on the text
+        is the first sample's pass@1; a vote on the outcome (which tests pass) only asks whether
+        passing is the most common outcome, a function of the same pass counts that pass@k already
+        reports, and it lets the tests pick the answer. Reported as n/a, not as a number that looks
+        like a second metric."""
+        return False
+
+    def run_facts(self) -> dict[str, str]:
+        return {"sandbox": sandbox.describe(self.isolation)}
+
     def extract_answer(self, prompt: Prompt, completion: str) -> str | None:
-        """The extracted code with blank lines and surrounding space removed (maj@k votes on it)."""
+        """The extracted code with blank lines and surrounding space removed."""
         code = "\n".join(
             line.rstrip() for line in extract_code(completion, self.style).splitlines() if line.strip()
         )

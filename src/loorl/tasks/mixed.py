@@ -132,6 +132,12 @@ class MixedTask(Task):
     def extract_answer(self, prompt: Prompt, completion: str) -> str | None:
         return self._source(prompt).extract_answer(prompt, completion)
 
+    def votes_on_answers(self, prompt: Prompt) -> bool:
+        return self._source(prompt).votes_on_answers(prompt)
+
+    def run_facts(self) -> dict[str, str]:
+        return {key: value for task in self.sources.values() for key, value in task.run_facts().items()}
+
     def sft_examples(self, n: int, *, rng: np.random.Generator) -> list[tuple[str, str]]:
         out = []
         for task, count in zip(self.sources.values(), quotas(n, self.weights)):
