@@ -111,7 +111,8 @@ def test_a_sandbox_failure_is_unscorable(mbpp_file, tmp_path, monkeypatch):
     ("kwargs", "message"),
     [({"style": "essay"}, "task.style='essay' is not one of"), ({"workers": 0}, "task.workers=0"),
      ({"style": "continuation"}, "task.style=continuation needs HumanEval rows"),
-     ({"eval_size": 5}, "task.eval_size=5 must be between 1 and 1")],
+     ({"eval_size": 5}, "task.eval_size=5 must be between 1 and 1"),
+     ({"sandbox": {"require": "some"}}, "task.sandbox.require='some' is not one of: full, any")],
 )  # fmt: skip
 def test_bad_settings_are_one_line(mbpp_file, tmp_path, kwargs, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
@@ -136,3 +137,6 @@ def test_rl_steps_with_code_rewards(quick_cfg, mbpp_file, tmp_path):
     history = json.loads((tmp_path / "run" / "metrics.json").read_text())["history"]
     assert summary["rl_steps"] == 2 and math.isfinite(summary["reward_last"])
     assert [v for _, v in history["rollout/unscorable"]] == [0.0, 0.0]  # every sample was run and scored
+    assert history["val/unscorable"] and all(v == 0 for _, v in history["val/unscorable"])
+    summary_md = (tmp_path / "run" / "summary.md").read_text()
+    assert f"| sandbox | {sandbox.describe()} |" in summary_md and "sandbox isolation full" in summary_md

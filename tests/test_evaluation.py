@@ -91,3 +91,28 @@ def test_maj_at_k_matches_a_slow_reference():
     correct = torch.tensor([[float(a == "2") for a in row] for row in answers])
     for k in (1, 2, 3, 4, 8):
         assert maj_at_k(answers, correct, k).tolist() == pytest.approx(slow_maj_at_k(answers, correct, k))
+
+
+def test_unscorable_samples_are_left_out_of_pass_at_k():
+    """Prompt 0: 4 samples, 1 correct, 2 unscorable (NaN): pass@1 over the 2 scorable ones is 1/2, not
+    the 1/4 that counting them as wrong would give. Prompt 1: fewer scorable samples than k: NaN."""
+    correct = torch.tensor(
+        [[1.0, float("nan"), 0.0, float("nan")], [1.0, float("nan"), float("nan"), float("nan")]]
+    )
+    scorable = ~correct.isnan()
+    out = pass_at_k(scorable.sum(-1), correct.nansum(-1), 1)
+    assert out[0].item() == pytest.approx(0.5) and out[1].item() == 1.0
+    two = pass_at_k(scorable.sum(-1), correct.nansum(-1), 2)
+    assert two[0].item() == 1.0 and two[1].isnan()  # 1 - C(1,2)/C(2,2); only one scorable sample
+    assert pass_at_k(scorable.sum(-1), correct.nansum(-1), 1)[0] == pass_at_k(2, torch.tensor([1]), 1)[0]
+
+
+def test_unscorable_samples_do_not_vote_in_maj_at_k():
+    nan = float("nan")
+    answers = [["9", "9", "9", "4"], ["1", "1", "2", "2"]]
+    # prompt 0: the three "9"s are unscorable, so "4" (correct) wins; counted as wrong they would win
+    # prompt 1: the first chunk of 2 is all unscorable (left out), the second votes "2" (wrong)
+    correct = torch.tensor([[nan, nan, nan, 1.0], [nan, nan, 0.0, 0.0]])
+    assert maj_at_k(answers, correct, 4).tolist() == [1.0, 0.0]
+    assert maj_at_k(answers, correct, 2).tolist()[1] == 0.0
+    assert maj_at_k([["1", "1"]], torch.tensor([[nan, nan]]), 2)[0].isnan()

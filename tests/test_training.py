@@ -140,6 +140,7 @@ def test_failing_reward_function_does_not_kill_the_run(quick_cfg, tmp_path):
             "rl.prompts_per_minibatch=16",
             "rl.samples_per_prompt=8",
             "checkpoint_every=0",
+            "sample_rows=-1",
         )
     )
     history = _history(tmp_path / "run")
@@ -147,6 +148,15 @@ def test_failing_reward_function_does_not_kill_the_run(quick_cfg, tmp_path):
     assert sum(unscorable) > 0  # failures were counted ...
     assert all(math.isfinite(v) for _, v in history["train/loss"])  # ... and the loss never saw a NaN
     assert math.isfinite(summary["reward_last"])
+    # held out: unscorable completions are counted, and left out of the accuracy rather than called wrong
+    with open(tmp_path / "run" / "samples.csv") as f:
+        rows = list(csv.DictReader(f))
+    for step, accuracy in history["val/accuracy"]:
+        verdicts = [r["correct"] for r in rows if int(r["step"]) == step]
+        scored = [int(v) for v in verdicts if v != ""]
+        assert dict(history["val/unscorable"])[step] == len(verdicts) - len(scored)
+        assert accuracy == pytest.approx(sum(scored) / len(scored))
+    assert sum(v for _, v in history["val/unscorable"]) > 0
 
 
 def test_resume_from_checkpoint_continues_the_step_count(quick_cfg, tmp_path):

@@ -24,7 +24,7 @@ from dataclasses import replace
 import lightning as L
 import numpy as np
 import torch
-from torchmetrics import MeanMetric
+from torchmetrics import MeanMetric, SumMetric
 
 from loorl import estimators
 from loorl.autocast import cached_autocast
@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 
 # the DataModule's per-prompt validation results -> the logged `val/<name>` metrics
 VALIDATION_METRICS = {"correct": "accuracy", "reward": "reward", "pass_k": "pass_at_k", "maj_k": "maj_at_k"}
+COUNTED_METRICS = {"unscorable": "unscorable"}  # summed over held-out prompts (and ranks), not averaged
 
 
 def minibatch_groups(rl: RLSettings, *, seed: int, step: int, world_size: int = 1) -> list[list[int]]:
@@ -127,6 +128,7 @@ class PolicyGradientModule(L.LightningModule):
         self.val_metrics = torch.nn.ModuleDict(
             {name: MeanMetric(nan_strategy="ignore") for name in VALIDATION_METRICS.values()}
         )
+        self.val_counts = torch.nn.ModuleDict({name: SumMetric() for name in COUNTED_METRICS.values()})
         self.val_source_accuracy = torch.nn.ModuleDict()  # task=mix: source name -> MeanMetric
         self._grad_norms: list[float] = []
         self.clock = PhaseClock()  # perf/<phase>_seconds of each step (loorl.profiling)
@@ -316,7 +318,8 @@ class PolicyGradientModule(L.LightningModule):
     # ---- held-out evaluation -------------------------------------------------------------------
     def validation_step(self, results: dict, batch_idx: int) -> None:
         """`results`: the DataModule's per-prompt metrics [n] (`RolloutDataModule.evaluate`); pass@k and
-        maj@k are None when not measured. Each is averaged over all held-out prompts (and ranks)."""
+        maj@k are None when not measured. Each is averaged over all held-out prompts (and ranks), NaN
+        entries (unscorable samples, prompts a metric does not apply to) left out; `unscorable` is summed."""
         n = len(results["correct"])
         for key, name in VALIDATION_METRICS.items():
             if results.get(key) is None:
@@ -325,6 +328,11 @@ class PolicyGradientModule(L.LightningModule):
             metric.update(results[key].float())
             self.log(f"val/{name}", metric, on_step=False, on_epoch=True, batch_size=n,
                      prog_bar=name == "accuracy")  # fmt: skip
+        for key, name in COUNTED_METRICS.items():
+            if results.get(key) is not None:
+                self.val_counts[name].update(results[key].float().sum())
+                self.log(f"val/{name}", self.val_counts[name], on_step=False, on_epoch=True, batch_size=n,
+                         metric_attribute=f"val_counts.{name}")  # fmt: skip
         for source in results.get("source_names") or []:  # task=mix: accuracy per source as well
             if source not in self.val_source_accuracy:  # every source on every rank: synced alike
                 self.val_source_accuracy[source] = MeanMetric(nan_strategy="ignore").to(self.device)

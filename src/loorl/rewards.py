@@ -46,20 +46,27 @@ class Graded:
     """A rollout's rewards and correctness, from one verifier pass per sample."""
 
     rewards: torch.Tensor  # [B, K] the combined reward; NaN = unscorable
-    correct: torch.Tensor  # [B, K] 1.0 where the task's verifier says correct
+    correct: torch.Tensor  # [B, K] 1.0 correct, 0.0 wrong, NaN where the task's verifier gave no verdict
+    # (unscorable: left out of accuracy, pass@k and maj@k rather than counted as wrong)
     unscorable: int  # samples whose combined reward is NaN
     parts: dict[str, torch.Tensor]  # [B, K] each function's reward (NaN = unscorable) by its name
 
 
 def grade(task: Task, prompts: Sequence[Prompt], completions: Sequence[str]):
     """The task's verifier once per sample (`Task.grade_many`): (rewards, correct, first error); a
-    sample whose verifier fails gets a NaN reward (unscorable) and counts as not correct."""
+    sample whose verifier fails or gives no verdict gets a NaN reward and a NaN correctness (unscorable:
+    neither right nor wrong)."""
     rewards, correct, first = task.grade_many(list(prompts), list(completions))
-    return [_as_float(r) for r in rewards], [float(bool(ok)) for ok in correct], first
+    rewards = [_as_float(r) for r in rewards]
+    return (
+        rewards,
+        [float(bool(ok)) if not math.isnan(r) else math.nan for r, ok in zip(rewards, correct)],
+        first,
+    )
 
 
 def correctness(task: Task, prompts: Sequence[Prompt], texts: Sequence[Sequence[str]]) -> torch.Tensor:
-    """1.0 where the task's verifier says correct, [B, K] for `texts` [B][K] (one `grade` per sample)."""
+    """1.0 correct, 0.0 wrong, NaN unscorable, [B, K] for `texts` [B][K] (one `grade` per sample)."""
     flat_prompts, flat_texts = _flatten(prompts, texts)
     _, correct, _ = grade(task, flat_prompts, flat_texts)
     return torch.tensor(correct).view(len(prompts), len(texts[0]))  # [B, K]

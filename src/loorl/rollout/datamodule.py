@@ -51,7 +51,7 @@ def rollout_stats(
     parts = {f"rollout/reward_{name}": float(v.nanmean()) for name, v in graded.parts.items()}
     return {
         "rollout/reward_std": float(masked_std(rewards, scorable)),
-        "rollout/accuracy": float(graded.correct.mean()),
+        "rollout/accuracy": float(graded.correct.nanmean()),  # of the scorable samples
         "rollout/completion_len": float(lengths.mean()),
         "rollout/gen_tokens": float(lengths.sum()),  # the step's generated tokens (all ranks)
         "rollout/truncated_frac": float((~finished).float().mean()),
@@ -211,7 +211,7 @@ class RolloutDataModule(L.LightningDataModule):
             rows = index == i  # [W*B]
             if rows.any():
                 stats[f"rollout/reward/{name}"] = float(graded.rewards[rows].nanmean())
-                stats[f"rollout/accuracy/{name}"] = float(graded.correct[rows].mean())
+                stats[f"rollout/accuracy/{name}"] = float(graded.correct[rows].nanmean())
         return stats
 
     def train_dataloader(self) -> DataLoader:
@@ -251,8 +251,9 @@ class RolloutDataModule(L.LightningDataModule):
         results = {
             "prompts": [p.text for p in prompts],
             "completions": [g[0] for g in greedy],
-            "correct": graded.correct.view(-1),  # [n]
+            "correct": graded.correct.view(-1),  # [n] NaN: unscorable (left out of val/accuracy)
             "reward": graded.rewards.view(-1),  # [n]
+            "unscorable": graded.correct.view(-1).isnan().float(),  # [n] counted in val/unscorable
             "pass_k": None,
             "maj_k": None,
             "sources": [p.meta.get("source") for p in prompts],  # task=mix: each prompt's source
@@ -262,10 +263,15 @@ class RolloutDataModule(L.LightningDataModule):
             step = self.trainer.global_step if self.trainer is not None else 0
             seed = self.sampling_seed("validation", step, prompts[0].text)  # this batch's own stream
             sampled = self.decode(self.engine.generate(ids, n=self.eval_samples, seed=seed))  # [n][N]
-            correct = correctness(self.task, prompts, sampled)  # [n, N]
-            results["pass_k"] = pass_at_k(self.eval_samples, correct.sum(-1), self.pass_k)  # [n]
+            correct = correctness(self.task, prompts, sampled)  # [n, N] NaN: unscorable
+            scorable = ~correct.isnan()  # [n, N]
+            results["pass_k"] = pass_at_k(
+                scorable.sum(-1), correct.nansum(-1), self.pass_k
+            )  # [n] of the scorable
             answers = [[self._answer(p, t) for t in row] for p, row in zip(prompts, sampled)]
-            results["maj_k"] = maj_at_k(answers, correct, self.pass_k)  # [n]
+            majority = maj_at_k(answers, correct, self.pass_k)  # [n]
+            voted = torch.tensor([self.task.votes_on_answers(p) for p in prompts])  # [n]
+            results["maj_k"] = torch.where(voted, majority, torch.nan)  # [n] NaN: not a votable task
         return results
 
     def _answer(self, prompt: Prompt, text: str) -> str | None:
