@@ -120,7 +120,9 @@ def test_other_engines_and_strategies_resume_to_the_same_run(tmp_path, model_cac
 
 
 # ---- SIGTERM or Ctrl-C: checkpoint, summary, then the same command continues ----------------------
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+@pytest.mark.parametrize(  # Ctrl-C takes the same path as SIGTERM (one handler): slow, on request
+    "sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)], ids=["SIGTERM", "Ctrl-C"]
+)
 def test_a_stop_signal_writes_a_checkpoint_and_summary_and_the_same_command_continues(
     uninterrupted, tmp_path, model_cache, sig
 ):

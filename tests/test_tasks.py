@@ -125,6 +125,7 @@ def test_missing_data_path_fails_before_any_model(data_config, tmp_path):
         assert not (tmp_path / "cache").exists()
 
 
+@pytest.mark.slow  # the gsm8k path trains in-process below; the command line is tested by other CLI tests
 def test_gsm8k_cli_end_to_end_with_the_real_verifier(gsm8k_dir, gsm8k_model, tmp_path):
     """`python src/train.py task=gsm8k model.name_or_path=<local tiny> data.path=<fixture>`."""
     out = tmp_path / "run"
