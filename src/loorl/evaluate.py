@@ -125,8 +125,11 @@ def evaluate(cfg: DictConfig) -> dict:
     logged = trainer.validate(
         module, datamodule=datamodule, ckpt_path=str(policy) if kind == "checkpoint" else None, verbose=False
     )[0]
-    metrics = {"pass@1_greedy": logged["val/accuracy"], "reward": logged.get("val/reward", float("nan")),
-               "unscorable": logged.get("val/unscorable", 0.0)}
+    metrics = {
+        "pass@1_greedy": logged["val/accuracy"],
+        "reward": logged.get("val/reward", float("nan")),
+        "unscorable": logged.get("val/unscorable", 0.0),
+    }
     if e.samples:
         metrics[f"pass@{e.k}"] = logged["val/pass_at_k"]
         metrics[f"maj@{e.k}"] = logged["val/maj_at_k"]
