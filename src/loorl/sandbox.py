@@ -346,16 +346,18 @@ def _root_owned_folder(path: Path, *, mode: int) -> None:
 
 
 # ---- uids -----------------------------------------------------------------------------------------
-def _live_uids() -> set[int]:
-    """The real uids of every live process (zombies are dead already: they wait to be reaped)."""
-    uids = set()
+def _live_processes() -> Iterator[tuple[int, int]]:
+    """(pid, real uid) of every live process (zombies are dead already: they wait to be reaped)."""
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{entry}/status") as f:
                 fields = dict(line.split(":", 1) for line in f if ":" in line)
-                if not fields.get("State", "").strip().startswith("Z"):
-                    uids.add(int(fields["Uid"].split()[0]))
-    return uids
+                if not fields["State"].strip().startswith("Z"):
+                    yield int(entry), int(fields["Uid"].split()[0])
+
+
+def _live_uids() -> set[int]:
+    return {uid for _, uid in _live_processes()}
 
 
 def _has_account(uid: int) -> bool:
@@ -399,14 +401,7 @@ def _uid_slot(switch_uid: bool) -> Iterator[int | None]:
 
 def _uid_processes(uid: int) -> list[int]:
     """Live processes of `uid`."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{entry}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
-                if int(fields["Uid"].split()[0]) == uid and not fields["State"].strip().startswith("Z"):
-                    pids.append(int(entry))
-    return pids
+    return [pid for pid, owner in _live_processes() if owner == uid]
 
 
 def _kill_uid(uid: int) -> int:
