@@ -23,8 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from loorl.ablation import write_report  # noqa: E402
 from loorl.config import CONF_DIR  # noqa: E402
+from loorl.research.ablation import write_report  # noqa: E402
 
 
 def ablation_names() -> list[str]:

@@ -29,9 +29,10 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from hydra.utils import instantiate  # noqa: E402
 
 from loorl.config import CONF_DIR  # noqa: E402
-from loorl.models import build_char_tokenizer, ensure_tiny_model, load_causal_lm, load_tokenizer  # noqa: E402
-from loorl.rollout.engine import SamplingConfig  # noqa: E402
+from loorl.models.load import load_causal_lm, load_tokenizer  # noqa: E402
+from loorl.models.tiny import build_char_tokenizer, ensure_tiny_model  # noqa: E402
 from loorl.rollout.hf_engine import HFEngine  # noqa: E402
+from loorl.types import SamplingConfig  # noqa: E402
 
 MEDIUM = dict(hidden_size=512, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=8,
               num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip

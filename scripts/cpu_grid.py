@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from loorl.ablation import read_jobs  # noqa: E402
+from loorl.research.ablation import read_jobs  # noqa: E402
 
 ORDER = ("default", "avx2", "avx512")  # ATEN_CPU_CAPABILITY values, narrowest first
 FIXED = ["val_pass_k=0", "checkpoint_every=0", "export_policy=false", "trainer.enable_progress_bar=false"]
@@ -126,7 +126,7 @@ def warm_start_record(config: dict) -> dict:
     """warm_start.json of the job's tiny model (its cache folder, from the resolved config)."""
     from omegaconf import OmegaConf
 
-    from loorl.models import tiny_model_dir
+    from loorl.models.tiny import tiny_model_dir
 
     cfg = OmegaConf.create(config)
     path = tiny_model_dir(cfg.model, cfg.task) / "warm_start.json"

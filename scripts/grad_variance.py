@@ -31,10 +31,10 @@ import torch  # noqa: E402
 from omegaconf import open_dict  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from loorl import estimators  # noqa: E402
+from loorl.algo import estimators  # noqa: E402
+from loorl.algo.masked import masked_mean  # noqa: E402
 from loorl.config import check_config, compose_config  # noqa: E402
-from loorl.grad_variance import bootstrap_interval, gram_matrix, relative_variance_from_gram  # noqa: E402
-from loorl.masked import masked_mean  # noqa: E402
+from loorl.research.grad_variance import bootstrap_interval, gram_matrix, relative_variance_from_gram  # noqa: E402
 from loorl.rollout.datamodule import sampler_seed  # noqa: E402
 
 
@@ -73,9 +73,8 @@ def parse_args(argv):
 
 def build(args, overrides):
     """The DataModule (engine, task, rewards) and the module (policy, loss) of the composed config."""
-    from loorl.evaluate import check_checkpoint, policy_kind
-    from loorl.models import load_tokenizer, resolve_model_path
-    from loorl.train import build_datamodule, build_module, instantiate_unwrapped
+    from loorl.build import build_run
+    from loorl.cli.evaluate import check_checkpoint, policy_kind
 
     sizes = [f"rl.samples_per_prompt={args.samples}"]
     sizes += [f"rl.prompts_per_{what}={args.prompts}" for what in ("step", "minibatch", "microbatch")]
@@ -87,12 +86,9 @@ def build(args, overrides):
     s = check_config(cfg)
     if kind == "checkpoint":
         check_checkpoint(Path(args.policy), cfg)
-    task = instantiate_unwrapped(cfg.task)
-    model_path = resolve_model_path(cfg.model, cfg.task, task)
-    tokenizer = load_tokenizer(model_path)
-    datamodule = build_datamodule(cfg, task, tokenizer, model_path, s)
-    datamodule.task.prepare(tokenizer, max_prompt_length=s.rollout.max_prompt_length)
-    module = build_module(cfg, model_path, s)
+    parts = build_run(s)
+    datamodule, module = parts.datamodule, parts.module
+    datamodule.task.prepare(parts.tokenizer, max_prompt_length=s.rollout.max_prompt_length)
     module.configure_model()
     if kind == "checkpoint":
         state = torch.load(args.policy, map_location="cpu", weights_only=False)["state_dict"]

@@ -23,8 +23,9 @@ import itertools
 
 import torch
 
+from loorl.algo.kl import check_kl_placement, kl_per_token
+from loorl.algo.objectives import reinforce_token_loss
 from loorl.errors import ConfigError
-from loorl.losses import check_kl_placement, kl_per_token, reinforce_token_loss
 
 ESTIMATORS = ("k1", "k2", "k3")
 PLACEMENTS = ("reward", "loss")

@@ -6,7 +6,7 @@
 
 Runs a short training run with the given overrides: `--warmup` steps, then `--steps` steps under the
 torch profiler (operator FLOPs on), then `--steps` more without it. Every profiled operator goes to
-the loorl phase whose `loorl/<phase>` range encloses it (`loorl.profiling`: gen, grade, prepare,
+the loorl phase whose `loorl/<phase>` range encloses it (`loorl.util.profiling`: gen, grade, prepare,
 forward, backward, entropy, optimizer; the rest is Lightning, logging and Python). Wall seconds per
 phase are the run's own `perf/<phase>_seconds` of the last, unprofiled steps (the profiler slows
 what it watches); GFLOP/s divides the counted FLOPs per step (matrix products and attention) by
@@ -29,8 +29,8 @@ import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from loorl.config import CONF_DIR  # noqa: E402
-from loorl.hardware import matmul_seconds  # noqa: E402
-from loorl.profiling import PHASES  # noqa: E402
+from loorl.util.hardware import matmul_seconds  # noqa: E402
+from loorl.util.profiling import PHASES  # noqa: E402
 
 
 def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
@@ -81,7 +81,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="loorl config overrides (as for src/train.py)")
     args = parser.parse_args()
 
-    from loorl import train as train_module
+    from loorl.cli import train as train_module
 
     steps = args.warmup + 2 * args.steps
     run_dir = args.out.parent / "profile_run"

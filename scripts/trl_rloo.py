@@ -29,8 +29,9 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from hydra.utils import instantiate  # noqa: E402
 
 from loorl.config import CONF_DIR, load_settings  # noqa: E402
-from loorl.models import load_tokenizer, resolve_model_path  # noqa: E402
-from loorl.module import wsd_arguments  # noqa: E402
+from loorl.models.load import load_tokenizer  # noqa: E402
+from loorl.models.sources import resolve_model_path  # noqa: E402
+from loorl.training.module import wsd_arguments  # noqa: E402
 
 
 def main() -> None:

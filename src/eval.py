@@ -6,8 +6,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run from a checkout without installing
 
-from loorl.console import launch  # noqa: E402
-from loorl.evaluate import main  # noqa: E402
+from loorl.cli.console import launch  # noqa: E402
+from loorl.cli.evaluate import main  # noqa: E402
 
 if __name__ == "__main__":
     launch("eval", main)

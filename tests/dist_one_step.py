@@ -16,16 +16,17 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from loorl.build import build_datamodule, build_module, instantiate_unwrapped
+from loorl.cli.console import quiet_library_output
 from loorl.config import check_config, compose_config
-from loorl.console import quiet_library_output
-from loorl.distributed import rank_and_world, rank_block, shutdown
-from loorl.fsdp import full_state_dict, is_sharded
-from loorl.models import load_causal_lm, load_tokenizer, resolve_model_path
+from loorl.models.load import load_causal_lm, load_tokenizer
+from loorl.models.sources import resolve_model_path
+from loorl.parallel.distributed import rank_and_world, rank_block, shutdown
+from loorl.parallel.fsdp import full_state_dict, is_sharded
 from loorl.rewards import Graded
-from loorl.rollout.batch import Rollout, assemble
+from loorl.rollout.batch import assemble
 from loorl.rollout.datamodule import gather_graded, rollout_stats
-from loorl.rollout.engine import Completion
-from loorl.train import build_datamodule, build_module, instantiate_unwrapped
+from loorl.types import Completion, Rollout
 
 GROUPS, K = 8, 4
 
@@ -110,7 +111,7 @@ def main() -> None:
     task = instantiate_unwrapped(cfg.task)
     model_path = resolve_model_path(cfg.model, cfg.task, task)
     tok = load_tokenizer(model_path)
-    module = build_module(cfg, model_path, s)
+    module = build_module(s, model_path)
     rollout = global_rollout(len(tok), tok.pad_token_id, tok.eos_token_id)
     data = FixedRollout(rollout)
     metrics = {}
@@ -135,7 +136,7 @@ def main() -> None:
     state = full_state_dict(module.policy)  # a collective under FSDP: every rank
     # the real DataModule: its prompts for a step on this rank, and the statistics of a rollout it
     # collects with the trained policy (each rank samples its own groups)
-    environment = build_datamodule(cfg, task, tok, model_path, s)
+    environment = build_datamodule(s, task, tok, model_path)
     prompts = [p.text for p in environment.prompts_for_step(3)]
     environment.setup("fit")
     environment.engine.sync(module.policy)  # under FSDP: unsharded until the rollout's sleep

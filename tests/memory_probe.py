@@ -42,9 +42,9 @@ def main(cache: str, groups_per_pass: int) -> None:
     import torch
     from hydra.utils import instantiate
 
+    from loorl.build import build_datamodule, build_module
     from loorl.config import compose_config
-    from loorl.models import load_tokenizer
-    from loorl.train import build_datamodule, build_module
+    from loorl.models.load import load_tokenizer
 
     torch.manual_seed(0)
     model_dir = Path(cache) / "vocab32k"

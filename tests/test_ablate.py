@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
-from loorl.ablation import Job, accuracy_auc, group_settings, mean_ci, moving_average
+from loorl.research.ablation import Job, accuracy_auc, group_settings, mean_ci, moving_average
 from wandb_records import run_info
 
 ROOT = Path(__file__).resolve().parents[1]

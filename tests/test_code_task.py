@@ -12,10 +12,10 @@ import pytest
 from hydra.utils import instantiate
 
 from loorl import sandbox
+from loorl.cli.train import train
 from loorl.errors import ConfigError
-from loorl.models import resolve_model_path
+from loorl.models.sources import resolve_model_path
 from loorl.tasks.code import CodeTask, extract_code
-from loorl.train import train
 
 pytestmark = pytest.mark.skipif(sandbox.isolation()["network"] != "namespace", reason="needs the sandbox")
 

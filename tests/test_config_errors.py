@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig
 
+from loorl.cli.train import train
 from loorl.config import CONF_DIR
 from loorl.errors import ConfigError
-from loorl.train import train
 
 REPO = CONF_DIR.parent
 QWEN = "Qwen/Qwen2.5-7B-Instruct"

@@ -18,7 +18,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from omegaconf import DictConfig, OmegaConf
 
-from loorl import estimators
+from loorl.algo import estimators
 from loorl.config import CONF_DIR, check_config, check_group_choices, compose_config
 from loorl.errors import ConfigError
 from loorl.settings import (
@@ -30,7 +30,7 @@ from loorl.settings import (
     TRUNCATED_MODES,
     EvalSettings,
 )
-from loorl.strategies import FSDPStrategy
+from loorl.training.strategies import FSDPStrategy
 
 GROUPS = ["estimator", "model", "task", "rollout", "strategy", "trainer", "logger", "experiment", "ablation"]
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))]
@@ -239,7 +239,7 @@ def test_trainer_instantiates(default_cfg, tmp_path, name):
     assert cfg.trainer.max_epochs == 3
     assert cfg.trainer.reload_dataloaders_every_n_epochs == 1
     extra = {"accelerator": "cpu"} if cfg.trainer.accelerator == "gpu" else {}
-    from loorl.train import trainer_precision
+    from loorl.cli.train import trainer_precision
 
     extra["precision"] = trainer_precision(cfg)  # `auto` is resolved by loorl, not Lightning
     trainer = instantiate(cfg.trainer, logger=False, enable_progress_bar=False, **extra)
@@ -324,7 +324,7 @@ def test_experiment_smollm2_arithmetic(default_cfg):
     assert s.rl.samples_per_prompt == RECIPE_SMOLLM2["K"] and s.run.val_pass_k == 0
     assert cfg.rollout.engine == "auto" and cfg.rollout.max_new_tokens == cfg.task.max_new_tokens
     # the compute dtype is the machine's: bf16 only where its timed matrix product is fast
-    from loorl.hardware import fast_compute_dtype
+    from loorl.util.hardware import fast_compute_dtype
 
     assert s.model.dtype == fast_compute_dtype() and s.lr_schedule.name == "cosine"
 

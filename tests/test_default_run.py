@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from loorl.train import train
+from loorl.cli.train import train
 
 
 def test_default_run_gains_25_points_of_held_out_accuracy(make_config, tmp_path):

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from loorl.config import check_config
-from loorl.distributed import rank_block
 from loorl.errors import ConfigError
-from loorl.module import minibatch_groups
+from loorl.parallel.distributed import rank_block
 from loorl.settings import RLSettings
+from loorl.training.module import minibatch_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 ONE_STEP = ROOT / "tests" / "dist_one_step.py"

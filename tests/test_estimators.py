@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from loorl import estimators
-from loorl.estimators import compute_advantages
-from loorl.masked import masked_mean, masked_std
+from loorl.algo import estimators
+from loorl.algo.estimators import compute_advantages
+from loorl.algo.masked import masked_mean, masked_std
 
 NAN = float("nan")
 ALL = ["dr_grpo", "grpo", "reinforce", "reinforce_pp", "reinforce_pp_baseline", "rloo"]
@@ -257,8 +257,8 @@ def test_register_custom_and_duplicate(monkeypatch):
     monkeypatch.setattr(estimators, "_REGISTRY", dict(estimators._REGISTRY))
 
     @estimators.register("double", min_group_size=3)
-    def double(rewards, *, whiten=False, eps=1e-6):
-        return 2 * rewards
+    def double(inp, *, whiten=False, eps=1e-6):  # an estimator gets an AdvantageInput
+        return 2 * inp.rewards
 
     assert "double" in estimators.names() and estimators.min_group_size("double") == 3
     torch.testing.assert_close(compute_advantages("double", SEED), 2 * SEED)

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from loorl.cli.evaluate import evaluate
+from loorl.cli.train import train
 from loorl.config import compose_config
 from loorl.errors import ConfigError
-from loorl.evaluate import evaluate
-from loorl.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
 

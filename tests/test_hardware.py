@@ -1,4 +1,4 @@
-"""The compute dtype a recipe picks from what the machine can do (loorl.hardware)."""
+"""The compute dtype a recipe picks from what the machine can do (loorl.util.hardware)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from loorl.hardware import (
+from loorl.util.hardware import (
     bf16_speedup,
     cpu_capability,
     dtype_for_speedup,
@@ -17,7 +17,7 @@ from loorl.hardware import (
 )
 
 PROBE = (
-    "from loorl.hardware import fast_compute_dtype, cpu_capability; "
+    "from loorl.util.hardware import fast_compute_dtype, cpu_capability; "
     "print(fast_compute_dtype(), cpu_capability())"
 )
 

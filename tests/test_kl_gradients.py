@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from loorl.algo.kl import KL_ESTIMATORS, KL_ESTIMATORS_BY_PLACEMENT, check_kl_placement, kl_per_token
 from loorl.errors import ConfigError
-from loorl.losses import KL_ESTIMATORS, KL_ESTIMATORS_BY_PLACEMENT, check_kl_placement, kl_per_token
 
 _SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "kl_gradient_table.py"
 _spec = importlib.util.spec_from_file_location("kl_gradient_table", _SCRIPT)

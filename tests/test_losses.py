@@ -7,17 +7,9 @@ import math
 import pytest
 import torch
 
-from loorl.logprobs import token_entropy, token_logprobs
-from loorl.losses import (
-    AGGREGATIONS,
-    KL_ESTIMATORS,
-    AdaptiveKLController,
-    FixedKLController,
-    aggregate,
-    clipped_surrogate_token_loss,
-    kl_per_token,
-    reinforce_token_loss,
-)
+from loorl.algo.kl import KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_per_token
+from loorl.algo.logprobs import token_entropy, token_logprobs
+from loorl.algo.objectives import AGGREGATIONS, aggregate, clipped_surrogate_token_loss, reinforce_token_loss
 
 NAN = float("nan")
 
@@ -326,7 +318,7 @@ def test_adaptive_controller_state_round_trip_and_validation():
 
 # ---- the pure policy loss and its statistics ---------------------------------------------------
 def _micro_batch(advantages, mask, *, sampler_offset=0.0, old=None):
-    from loorl.rollout.batch import RolloutBatch
+    from loorl.types import RolloutBatch
 
     n, c = mask.shape
     logp = torch.log(torch.full((n, c), 0.5))  # [n, C]
@@ -345,7 +337,7 @@ def _micro_batch(advantages, mask, *, sampler_offset=0.0, old=None):
 
 
 def test_policy_loss_equals_hand_computed_reinforce_and_its_stats():
-    from loorl.losses import policy_loss
+    from loorl.algo.objectives import policy_loss
     from loorl.settings import LossSettings
 
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])  # 3 real tokens
@@ -361,7 +353,7 @@ def test_policy_loss_equals_hand_computed_reinforce_and_its_stats():
 
 
 def test_policy_loss_tis_weight_and_kl_term():
-    from loorl.losses import policy_loss
+    from loorl.algo.objectives import policy_loss
     from loorl.settings import LossSettings
 
     mask = torch.ones(1, 2)
@@ -382,7 +374,7 @@ def test_policy_loss_tis_weight_and_kl_term():
 
 
 def test_loss_stats_add_and_become_per_token_metrics():
-    from loorl.losses import LossStats
+    from loorl.algo.objectives import LossStats
 
     a = LossStats(loss=1.0, steps=1, tokens=4, entropy=2.0, log_ratio=0.4, log_ratio_max=0.3, grad_norm=2.0)
     b = LossStats(

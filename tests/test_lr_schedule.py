@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from loorl.errors import ConfigError
-from loorl.module import lr_scheduler
 from loorl.settings import LRScheduleSettings
+from loorl.training.module import lr_scheduler
 
 
 def _rates(schedule: LRScheduleSettings, total: int, lr: float = 1.0) -> list[float]:
@@ -62,7 +62,7 @@ def test_a_floor_without_decay_is_refused():
 
 def test_a_run_logs_the_scheduled_rate_at_every_optimizer_step(quick_cfg, tmp_path):
     """The quick run (4 RL steps of 2 optimizer steps each) logs the rate each step used."""
-    from loorl.train import train
+    from loorl.cli.train import train
 
     cfg = quick_cfg(
         "lr_schedule.name=cosine", "lr_schedule.warmup_steps=2", "lr_schedule.min_lr_ratio=0.1",

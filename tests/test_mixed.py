@@ -8,10 +8,11 @@ import pytest
 from hydra.utils import instantiate
 
 from fixtures import write_gsm8k, write_math
+from loorl.build import instantiate_unwrapped
+from loorl.cli.train import train
 from loorl.config import check_config
 from loorl.errors import ConfigError
 from loorl.tasks.mixed import MixedTask, quotas
-from loorl.train import instantiate_unwrapped, train
 
 QUICK = [
     "debug=quick",

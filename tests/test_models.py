@@ -5,13 +5,8 @@ from __future__ import annotations
 import torch
 from hydra.utils import instantiate
 
-from loorl.models import (
-    build_char_tokenizer,
-    ensure_tiny_model,
-    load_causal_lm,
-    load_tokenizer,
-    tiny_model_dir,
-)
+from loorl.models.load import load_causal_lm, load_tokenizer
+from loorl.models.tiny import build_char_tokenizer, ensure_tiny_model, tiny_model_dir
 
 
 def test_char_tokenizer_round_trip(tmp_path):

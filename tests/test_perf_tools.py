@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loorl.profiling import PhaseClock
+from loorl.util.profiling import PhaseClock
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,7 +59,7 @@ def test_keep_freed_memory_is_taken_by_glibc_and_the_process_runs_on():
     code = textwrap.dedent(
         """
         import torch
-        from loorl.allocator import keep_freed_memory
+        from loorl.util.allocator import keep_freed_memory
         assert keep_freed_memory()
         for _ in range(3):
             x = torch.ones(16 << 20)

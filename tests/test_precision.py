@@ -9,9 +9,9 @@ import torch
 from hydra.utils import instantiate
 from safetensors.torch import load_file
 
+from loorl.cli.train import train, trainer_precision
 from loorl.errors import ConfigError
-from loorl.models import ensure_tiny_model
-from loorl.train import train, trainer_precision
+from loorl.models.tiny import ensure_tiny_model
 
 
 def _policy_after_two_steps(quick_config, tmp_path, *overrides):
@@ -41,7 +41,7 @@ def test_bf16_compute_keeps_float32_weights_that_all_move(quick_config, tmp_path
 
 
 def test_pure_bf16_weights_are_an_explicit_choice_that_loses_updates(quick_config, tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="loorl.module"):
+    with caplog.at_level(logging.WARNING, logger="loorl.training.module"):
         trained, initial = _policy_after_two_steps(quick_config, tmp_path, "model.master_dtype=bfloat16")
     assert {v.dtype for v in trained.values()} == {torch.bfloat16}
     assert any("model.master_dtype=bfloat16" in r.getMessage() for r in caplog.records)

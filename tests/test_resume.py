@@ -19,9 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from loorl.checkpoints import AtomicCheckpointIO, atomic_directory, complete_checkpoints, read_checkpoint
+from loorl.cli.train import train
 from loorl.errors import ConfigError
-from loorl.train import train
+from loorl.training.checkpoints import (
+    AtomicCheckpointIO,
+    atomic_directory,
+    complete_checkpoints,
+    read_checkpoint,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ["rl.steps=30", "checkpoint_every=10", "val_every=5"]  # the issue's experiment, on the quick profile
@@ -141,7 +146,7 @@ def test_a_stop_signal_writes_a_checkpoint_and_summary_and_the_same_command_cont
 KILL_MID_WRITE = """
 import os, signal, sys, torch
 from lightning.fabric.plugins.io import torch_io
-from loorl.checkpoints import AtomicCheckpointIO
+from loorl.training.checkpoints import AtomicCheckpointIO
 
 path = sys.argv[1]
 io = AtomicCheckpointIO()

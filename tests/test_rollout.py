@@ -8,16 +8,16 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from loorl import estimators
-from loorl.logprobs import completion_logits, completion_logprobs
-from loorl.models import ensure_tiny_model, load_causal_lm, load_tokenizer
-from loorl.module import minibatch_groups
+from loorl.algo import estimators
+from loorl.algo.logprobs import completion_logits, completion_logprobs
+from loorl.build import build_datamodule, build_module
+from loorl.models.load import load_causal_lm, load_tokenizer
+from loorl.models.tiny import ensure_tiny_model
 from loorl.rollout.batch import assemble
 from loorl.rollout.datamodule import sampler_seed
-from loorl.rollout.engine import Completion, SamplingConfig
 from loorl.rollout.hf_engine import HFEngine
-from loorl.tasks.base import Prompt
-from loorl.train import build_datamodule, build_module
+from loorl.training.module import minibatch_groups
+from loorl.types import Completion, Prompt, SamplingConfig
 
 
 @pytest.fixture(scope="module")
@@ -257,7 +257,7 @@ def test_groups_without_signal_skip_the_training_passes_and_change_nothing(quick
 
 def test_a_minibatch_without_signal_still_runs_one_group():
     """Every advantage 0: one group still runs, so a data-parallel backward meets its peers."""
-    from loorl.rollout.batch import RolloutBatch
+    from loorl.types import RolloutBatch
 
     n, k = 8, 4
     batch = RolloutBatch(input_ids=torch.zeros(n, 3, dtype=torch.long), attention_mask=torch.ones(n, 3),

@@ -11,11 +11,13 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from loorl.logprobs import token_entropy, token_logprobs, truncate_logits
-from loorl.models import ensure_tiny_model, load_causal_lm, load_tokenizer
-from loorl.rollout.engine import SamplingConfig, eos_token_ids
+from loorl.algo.logprobs import token_entropy, token_logprobs, truncate_logits
+from loorl.cli.train import train
+from loorl.models.load import load_causal_lm, load_tokenizer
+from loorl.models.tiny import ensure_tiny_model
+from loorl.rollout.engine import eos_token_ids
 from loorl.rollout.hf_engine import HFEngine
-from loorl.train import train
+from loorl.types import SamplingConfig
 
 # What an instruct model's generation_config.json may hold, made worse: every field changes sampling.
 HOSTILE_GENERATION_CONFIG = {

@@ -8,11 +8,12 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from loorl.logprobs import completion_logits, completion_logprobs, token_logprobs
-from loorl.models import ensure_tiny_model, load_causal_lm, load_tokenizer
+from loorl.algo.logprobs import completion_logits, completion_logprobs, token_logprobs
+from loorl.models.load import load_causal_lm, load_tokenizer
+from loorl.models.tiny import ensure_tiny_model
 from loorl.rollout.batch import assemble
-from loorl.rollout.engine import Completion, SamplingConfig
 from loorl.rollout.hf_engine import HFEngine
+from loorl.types import Completion, SamplingConfig
 
 
 @pytest.fixture(scope="module")

@@ -16,10 +16,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from loorl.gguf_models import CONVERSION_RECORD
-from loorl.models import ensure_gguf, load_tokenizer
+from loorl.cli.train import train
+from loorl.models.gguf import CONVERSION_RECORD
+from loorl.models.load import load_tokenizer
+from loorl.models.sources import ensure_gguf
 from loorl.rollout.engine import eos_token_ids
-from loorl.train import train
 
 pytestmark = pytest.mark.slow
 

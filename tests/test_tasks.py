@@ -13,10 +13,11 @@ import torch
 from hydra.utils import instantiate
 
 from fixtures import write_gsm8k, write_math
+from loorl.build import instantiate_unwrapped
+from loorl.cli.train import train
 from loorl.config import CONF_DIR
 from loorl.errors import ConfigError
-from loorl.models import build_char_tokenizer, ensure_tiny_model
-from loorl.train import instantiate_unwrapped, train
+from loorl.models.tiny import build_char_tokenizer, ensure_tiny_model
 
 REPO = CONF_DIR.parent
 # a quick RL run on the data-set tasks; completions stay short so the tests stay fast
@@ -170,7 +171,7 @@ def _tiny_reward_model(path):
 def test_reward_model_scores_match_a_direct_forward_pass(tmp_path):
     from transformers import AutoModelForSequenceClassification
 
-    from loorl.reward_model import RewardModel
+    from loorl.rewards.model import RewardModel
 
     path = _tiny_reward_model(tmp_path / "rm")
     rm = RewardModel(path=str(path), batch_size=2)
@@ -300,7 +301,7 @@ def test_chat_arithmetic_held_out_set_is_fixed_and_disjoint(make_config):
     ],
 )
 def test_chat_arithmetic_reward_reads_the_final_number(make_config, mode, completion, reward):
-    from loorl.tasks.base import Prompt
+    from loorl.types import Prompt
 
     task = instantiate(make_config("task=chat_arithmetic", f"task.answer_mode={mode}").task)
     prompt = Prompt(text="What is 20 + 22?", answer="42", meta={"a": 20, "b": 22})

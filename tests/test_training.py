@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from loorl import estimators
-from loorl.profiling import PHASES
-from loorl.train import train
+from loorl.algo import estimators
+from loorl.cli.train import train
+from loorl.util.profiling import PHASES
 
 
 def _history(run_dir):

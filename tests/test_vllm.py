@@ -6,14 +6,16 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
+from loorl.algo.logprobs import completion_logprobs
+from loorl.build import build_datamodule, build_module
+from loorl.cli.train import train
 from loorl.config import load_settings
 from loorl.errors import ConfigError
-from loorl.logprobs import completion_logprobs
-from loorl.models import ensure_tiny_model, load_tokenizer
+from loorl.models.load import load_tokenizer
+from loorl.models.tiny import ensure_tiny_model
 from loorl.rollout.batch import assemble
 from loorl.rollout.factory import build_engine, resolve_engine
 from loorl.rollout.hf_engine import HFEngine
-from loorl.train import build_datamodule, build_module, train
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -110,9 +112,9 @@ def test_head_size_vllm_cpu_cannot_run_fails_before_any_model(quick_config, tmp_
 
 
 def test_vllm_not_installed_is_one_clear_line(quick_config, tmp_path, monkeypatch):
-    import loorl.config
+    import loorl.rollout.vllm_engine
 
-    monkeypatch.setattr(loorl.config, "vllm_installed", lambda: False)
+    monkeypatch.setattr(loorl.rollout.vllm_engine, "vllm_installed", lambda: False)
     cfg = quick_config(f"model.cache_dir={tmp_path / 'cache'}", "rollout=vllm", output_dir=tmp_path / "o")
     with pytest.raises(ConfigError, match=r"rollout.engine=vllm needs the vllm package: pip install"):
         train(cfg)
@@ -122,8 +124,8 @@ def test_vllm_not_installed_is_one_clear_line(quick_config, tmp_path, monkeypatc
 def test_weights_stream_to_the_engine_in_its_dtype():
     """float32 master weights into a bf16 engine are cast as they stream (vLLM would cast each one
     itself, with a warning per tensor per step); integer buffers pass through."""
-    from loorl.rollout.engine import SamplingConfig
     from loorl.rollout.vllm_engine import VLLMEngine
+    from loorl.types import SamplingConfig
 
     weights = [("w", torch.randn(3, 2)), ("steps", torch.arange(3))]
     for dtype, want in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):

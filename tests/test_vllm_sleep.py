@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loorl.rollout.engine import SamplingConfig
 from loorl.rollout.vllm_engine import VLLMEngine
+from loorl.types import SamplingConfig
 
 
 class RecordingLLM:

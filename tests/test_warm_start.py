@@ -10,13 +10,12 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from loorl.models import (
+from loorl.models.load import load_causal_lm, load_tokenizer
+from loorl.models.tiny import (
     _tiny_policy,
     build_char_tokenizer,
     ensure_tiny_model,
     greedy_exact,
-    load_causal_lm,
-    load_tokenizer,
     sft_batch,
     warm_start,
 )

@@ -4,22 +4,26 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
-from loorl import estimators, resolvers
-from loorl.distributed import check_world_divides
+from loorl import resolvers
+from loorl.algo import estimators
 from loorl.errors import ConfigError
-from loorl.models import check_model_reachable, pretrained_path
-from loorl.rollout.factory import VLLM_INSTALL_HINT, cuda_available, resolve_engine, vllm_installed
+from loorl.models.sources import check_model_reachable, pretrained_path
+from loorl.parallel.distributed import check_world_divides
+from loorl.rollout.engine import EngineContext
+from loorl.rollout.factory import engine_class
 from loorl.settings import (
     EstimatorSettings,
     KLSettings,
     LossSettings,
     LRScheduleSettings,
     ModelSettings,
+    RewardSettings,
     RLSettings,
     RolloutSettings,
     RunSettings,
@@ -69,6 +73,10 @@ class Settings:
     lr_schedule: LRScheduleSettings
     rollout: RolloutSettings
     model: ModelSettings
+    reward: RewardSettings
+    task: dict[str, Any]  # the task section, resolved: the Task's constructor arguments (`_target_`)
+    optimizer: dict[str, Any]  # the optimizer section, resolved: a Hydra partial over the parameters
+    strategy: str = "auto"  # the training strategy's kind: auto | ddp | fsdp (`strategy_kind`)
 
 
 def load_settings(cfg: DictConfig) -> Settings:
@@ -87,6 +95,10 @@ def load_settings(cfg: DictConfig) -> Settings:
         lr_schedule=LRScheduleSettings.from_cfg(cfg.get("lr_schedule"), "lr_schedule"),
         rollout=rollout,
         model=model,
+        reward=RewardSettings.from_cfg(cfg.reward, "reward"),
+        task=OmegaConf.to_container(cfg.task, resolve=True),
+        optimizer=OmegaConf.to_container(cfg.optimizer, resolve=True),
+        strategy=strategy_kind(cfg) if "trainer" in cfg else "auto",
     )
 
 
@@ -108,23 +120,26 @@ def check_config(cfg: DictConfig) -> Settings:
         s = load_settings(cfg)
     except InterpolationResolutionError as err:  # e.g. a model file without a recipe key
         raise ConfigError(f"{err.full_key}: {str(err).splitlines()[0]}") from None
-    k, k_min = s.rl.samples_per_prompt, estimators.min_group_size(s.estimator.name)
+    k, k_min = s.rl.samples_per_prompt, estimators.min_group_size(s.estimator.name, s.estimator.target)
     if k < k_min:
         raise ConfigError(
-            f"rl.samples_per_prompt={k} is too small for estimator={s.estimator.name}: its baseline needs "
+            f"rl.samples_per_prompt={k} is too small for estimator={s.estimator.label}: its baseline needs "
             f"K >= {k_min} samples per prompt; set rl.samples_per_prompt={k_min} or more"
         )
     check_optimizer(cfg.optimizer)
     check_rewards(cfg)
     check_model_reachable(cfg.model)
-    check_vllm_can_run(s)
     check_parallel(cfg, s)
+    engine, _ = engine_class(s.rollout)  # the engine checks its own settings
+    context = {"model_dtype": s.model.dtype, "model": s.model, "model_path": pretrained_path(s.model)}
+    context |= {"seed": s.run.seed, "share_prompt": s.rl.share_prompt, "parallel": s.strategy}
+    engine.check(EngineContext(s.rollout, **context))
     return s
 
 
 STRATEGY_KINDS = {
     "lightning.pytorch.strategies.DDPStrategy": "ddp",
-    "loorl.strategies.FSDPStrategy": "fsdp",
+    "loorl.training.strategies.FSDPStrategy": "fsdp",
 }
 
 
@@ -153,13 +168,6 @@ def check_parallel(cfg: DictConfig, s: Settings) -> None:
     if isinstance(devices, int) or str(devices).isdigit():  # "auto" / -1: known once launched (checked then)
         world, where = int(devices) * nodes, f"trainer.devices={devices} x trainer.num_nodes={nodes}"
         check_world_divides(s.rl.prompts_per_step, s.rl.prompts_per_minibatch, world, where)
-    engine, _ = resolve_engine(s.rollout.engine)
-    if engine == "vllm" and s.rollout.vllm is not None and s.rollout.vllm.tensor_parallel_size > 1:
-        raise ConfigError(
-            f"rollout.vllm.tensor_parallel_size={s.rollout.vllm.tensor_parallel_size} with strategy={kind}: "
-            "each rank runs its own colocated vLLM engine with the full weights; set "
-            "rollout.vllm.tensor_parallel_size=1"
-        )
     if kind == "fsdp" and not cfg.trainer.strategy.get("layer_classes"):
         cls = causal_lm_class(s.model)
         if not getattr(cls, "_no_split_modules", None):
@@ -200,7 +208,7 @@ def check_rewards(cfg: DictConfig) -> None:
     """Every reward function must be importable and every reward-model path set and present."""
     import importlib
 
-    from loorl.models import looks_like_local_path
+    from loorl.models.sources import looks_like_local_path
 
     functions = cfg.reward.functions
     if not functions:
@@ -233,36 +241,6 @@ def check_rewards(cfg: DictConfig) -> None:
     clip = cfg.reward.get("clip")
     if clip is not None and (len(clip) != 2 or not clip[0] < clip[1]):
         raise ConfigError(f"reward.clip={list(clip)} must be [low, high] with low < high, or null")
-
-
-def model_head_dim(model: ModelSettings) -> int:
-    path = pretrained_path(model)
-    if path is None:
-        return model.tiny.head_dim
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(path)
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def check_vllm_can_run(s: Settings) -> None:
-    """vLLM requested: it must be installed, and on CPU its attention kernels must take the head size."""
-    engine, _ = resolve_engine(s.rollout.engine)
-    if engine != "vllm":
-        return
-    if not vllm_installed():
-        raise ConfigError(f"rollout.engine={s.rollout.engine} needs the vllm package: {VLLM_INSTALL_HINT}")
-    if cuda_available():
-        return
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
-
-    sizes = CPUAttentionBackend.get_supported_head_sizes()
-    head_dim = model_head_dim(s.model)
-    if head_dim not in sizes:
-        raise ConfigError(
-            f"rollout.engine=vllm cannot run this model on CPU: head size {head_dim} is not one of vLLM's "
-            f"CPU kernel sizes {sizes}; use rollout=hf, or a model whose hidden_size/num_heads is listed"
-        )
 
 
 def compose_config(*overrides: str, config_name: str = "train") -> DictConfig:

@@ -6,7 +6,7 @@
 - `${loorl.div:a,b}`: a // b for a fixed budget split into groups (`conf/ablation/k.yaml`: prompts per
   step = samples per step / K); an error when b does not divide a.
 - `${loorl.fast_dtype:}`: 'bfloat16' where bf16 compute is fast on this machine (a timed probe on
-  CPU, `loorl.hardware.fast_compute_dtype`), else 'float32'.
+  CPU, `loorl.util.hardware.fast_compute_dtype`), else 'float32'.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def exact_div(a, b) -> int:
 
 
 def fast_dtype() -> str:
-    from loorl.hardware import fast_compute_dtype
+    from loorl.util.hardware import fast_compute_dtype
 
     return fast_compute_dtype()
 

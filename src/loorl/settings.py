@@ -15,8 +15,12 @@ from omegaconf import DictConfig, OmegaConf
 from pydantic import ConfigDict, Field, ValidationError
 from pydantic.dataclasses import dataclass
 
+from loorl.algo import estimators
+from loorl.algo.kl import KL_ESTIMATORS, KLEstimator, check_kl_placement
+from loorl.algo.objectives import AGGREGATIONS, RATIO_LEVELS, Aggregation, RatioLevel, loss_names
 from loorl.errors import ConfigError
-from loorl.rollout.engine import SamplingConfig
+from loorl.types import SamplingConfig
+from loorl.util.plugins import import_object
 
 PositiveInt = Annotated[int, Field(gt=0)]
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -27,13 +31,10 @@ UnitInterval = Annotated[float, Field(ge=0, le=1)]
 # The choices of every enumerated setting, defined once; the tuples are what error messages,
 # tests and docs list.
 Dtype = Literal["float32", "bfloat16", "float16"]
-Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-KLEstimator = Literal["k1", "k2", "k3"]
-RatioLevel = Literal["token", "sequence"]
 TruncatedMode = Literal["score", "zero", "mask"]
 Engine = Literal["hf", "vllm", "auto"]
-DTYPES, AGGREGATIONS, KL_ESTIMATORS = get_args(Dtype), get_args(Aggregation), get_args(KLEstimator)
-RATIO_LEVELS, TRUNCATED_MODES, ENGINES = get_args(RatioLevel), get_args(TruncatedMode), get_args(Engine)
+DTYPES, TRUNCATED_MODES, ENGINES = get_args(Dtype), get_args(TruncatedMode), get_args(Engine)
+__all__ = ["AGGREGATIONS", "KL_ESTIMATORS", "RATIO_LEVELS"]  # the algorithm layer's choices, listed here too
 
 SCHEMA = ConfigDict(extra="forbid")  # an unknown key is a typo, not a setting
 T = TypeVar("T")
@@ -46,6 +47,7 @@ def _one_line(err: ValidationError, section: str) -> str:
     if isinstance(cause, ConfigError):  # raised by a __post_init__ rule: already one full line
         return str(cause)
     key = ".".join(str(part) for part in (section, *first["loc"]) if part != "")
+    key = key.replace(".target", "._target_")  # the YAML spelling of the field
     if first["type"] == "unexpected_keyword_argument":
         return f"{key} is not a setting of `{section or 'the top level'}`: check the spelling (see conf/)"
     if first["type"] == "missing_argument":
@@ -62,6 +64,8 @@ class Section:
         """`cls(**values)` with interpolations resolved; a bad value becomes one ConfigError line."""
         if isinstance(values, DictConfig):
             values = OmegaConf.to_container(values, resolve=True)
+        if values and "_target_" in values:  # Hydra's spelling of "the code this names": field `target`
+            values = {("target" if k == "_target_" else k): v for k, v in values.items()}
         try:
             return cls(**(values or {}))
         except ValidationError as err:
@@ -80,7 +84,7 @@ class RunSettings(Section):
     checkpoint_every: NonNegativeInt = 50  # 0: off
     checkpoint_keep: Annotated[int, Field(ge=-1)] = 2  # the newest periodic checkpoints kept; -1: all
     export_policy: bool = True
-    keep_freed_memory: bool = True  # glibc keeps freed memory for reuse (loorl.allocator)
+    keep_freed_memory: bool = True  # glibc keeps freed memory for reuse (loorl.util.allocator)
 
 
 @dataclass(frozen=True, config=SCHEMA)
@@ -111,25 +115,39 @@ class RLSettings(Section):
 
 @dataclass(frozen=True, config=SCHEMA)
 class EstimatorSettings(Section):
-    """`estimator`: the advantage estimator (a name in `loorl.estimators`)."""
+    """`estimator`: the advantage estimator, a name registered in `loorl.algo.estimators`, or a
+    function anywhere named by `estimator._target_` (which then wins over the name)."""
 
     name: str = "rloo"
     whiten: bool = False
+    target: str | None = None  # `_target_` in YAML: a dotted path to an estimator function
 
     def __post_init__(self) -> None:
-        from loorl import estimators
-
-        if self.name not in estimators.names():
+        if self.target is not None:
+            import_object(self.target, "estimator._target_")  # one line now, not after the model loads
+        elif self.name not in estimators.names():
             raise ConfigError(
                 f"unknown estimator '{self.name}' (estimator.name); choose one of: "
                 + ", ".join(estimators.names())
+                + " (or estimator._target_=<module.function> for your own)"
             )
+
+    @property
+    def label(self) -> str:
+        """What run titles and tables call it: the name, or the function's name for a `_target_`."""
+        return self.name if self.target is None else self.target.rpartition(".")[2]
+
+    @property
+    def function(self) -> estimators.Estimator:
+        return estimators.resolve(self.name, self.target)
 
 
 @dataclass(frozen=True, config=SCHEMA)
 class LossSettings(Section):
     """`loss`: the policy loss and its aggregation."""
 
+    name: str = "auto"  # the per-token loss, registered in loorl.algo.objectives
+    target: str | None = None  # `_target_` in YAML: a dotted path to your own per-token loss (wins)
     agg: Aggregation = "seq-mean-token-sum"
     clip_low: NonNegativeFloat = 0.2
     clip_high: NonNegativeFloat = 0.2
@@ -139,6 +157,13 @@ class LossSettings(Section):
     max_len: PositiveInt = 16  # seq-mean-token-sum-norm's constant (the generation limit)
 
     def __post_init__(self) -> None:
+        if self.target is not None:
+            import_object(self.target, "loss._target_")
+        elif self.name not in loss_names():
+            raise ConfigError(
+                f"unknown policy loss '{self.name}' (loss.name); choose one of: {', '.join(loss_names())} "
+                "(or loss._target_=<module.function> for your own)"
+            )
         if self.ratio_level == "sequence" and self.agg != "seq-mean-token-mean":
             raise ConfigError(
                 f"loss.ratio_level=sequence (GSPO) with loss.agg={self.agg}: GSPO's sequence ratio averages "
@@ -152,7 +177,7 @@ SCHEDULES = get_args(ScheduleName)
 
 @dataclass(frozen=True, config=SCHEMA)
 class LRScheduleSettings(Section):
-    """`lr_schedule`: the learning rate over the run's optimizer steps (`loorl.module.lr_scheduler`)."""
+    """`lr_schedule`: the learning rate over the run's optimizer steps (`training.module.lr_scheduler`)."""
 
     name: ScheduleName = "constant"  # linear and cosine decay to min_lr_ratio * lr at the last step
     warmup_steps: NonNegativeInt = 0  # optimizer steps of linear warm-up from 0
@@ -178,8 +203,6 @@ class KLSettings(Section):
     horizon: PositiveInt = 10000
 
     def __post_init__(self) -> None:
-        from loorl.losses import check_kl_placement
-
         if self.adaptive and self.coef <= 0:
             raise ConfigError("kl.adaptive=true needs kl.coef > 0: the controller scales it, and 0 stays 0")
         if self.needs_reference:  # only an active KL term must have a KL gradient
@@ -191,24 +214,12 @@ class KLSettings(Section):
 
 
 @dataclass(frozen=True, config=SCHEMA)
-class VLLMSettings(Section):
-    """`rollout.vllm`: the colocated vLLM engine."""
-
-    dtype: Dtype | None = None  # None: model.dtype
-    max_model_len: PositiveInt | None = None
-    gpu_memory_utilization: Fraction = 0.5
-    kv_cache_memory_gb: PositiveFloat | None = None
-    tensor_parallel_size: PositiveInt = 1
-    enforce_eager: bool = False
-    sleep_level: Literal[1, 2] | None = 1
-    chunked_prefill: bool | None = None  # None: on with CUDA, off on CPU (see conf/rollout/vllm.yaml)
-
-
-@dataclass(frozen=True, config=SCHEMA)
 class RolloutSettings(Section):
-    """`rollout`: the engine, its sampler and the rollout's limits."""
+    """`rollout`: the engine, its sampler and the rollout's limits. The engine's own settings (`vllm`,
+    `hf_attention`, a plug-in's `options`) are checked by the engine class (`loorl.rollout.engine`)."""
 
-    engine: Engine = "auto"
+    engine: str = "auto"  # hf | vllm | auto; ignored when `_target_` names an engine class
+    target: str | None = None  # `_target_` in YAML: package.module.Class, a RolloutEngine subclass
     max_new_tokens: PositiveInt = 16
     temperature: PositiveFloat = 1.0
     top_p: Fraction = 1.0
@@ -217,8 +228,16 @@ class RolloutSettings(Section):
     max_prompt_length: PositiveInt = 256
     batch_size: PositiveInt = 512
     eval_batch_size: PositiveInt = 256
-    hf_attention: Literal["auto", "model", "eager", "sdpa"] = "auto"  # the HF engine's attention
-    vllm: VLLMSettings | None = None  # rollout=hf has no vllm block
+    hf_attention: str = "auto"  # the HF engine's attention (its choices: loorl.rollout.hf_engine)
+    vllm: dict[str, Any] | None = None  # the vLLM engine's block (rollout=hf has none)
+    options: dict[str, Any] = Field(default_factory=dict)  # a `_target_` engine's own settings
+
+    def __post_init__(self) -> None:
+        if self.target is None and self.engine not in ENGINES:
+            raise ConfigError(
+                f"unknown rollout.engine '{self.engine}'; choose one of: {', '.join(ENGINES)} "
+                "(or rollout._target_=<package.module.Class> for your own RolloutEngine)"
+            )
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -232,7 +251,7 @@ class RolloutSettings(Section):
 
 @dataclass(frozen=True, config=SCHEMA)
 class WarmStartSettings(Section):
-    """`model.tiny.warm_start`: the supervised stage before RL (`loorl.models.warm_start`)."""
+    """`model.tiny.warm_start`: the supervised stage before RL (`loorl.models.tiny.warm_start`)."""
 
     target_accuracy: Fraction | None = 0.55  # stop at this greedy accuracy on the probe; None: max_steps
     max_steps: NonNegativeInt = 2000  # at most this many steps (all of them when target_accuracy is None)
@@ -263,7 +282,7 @@ class TinyModelSettings(Section):
 
 @dataclass(frozen=True, config=SCHEMA)
 class GGUFSettings(Section):
-    """`model.gguf`: a pretrained model shipped as a GGUF file in a wheel (`loorl.gguf_models`)."""
+    """`model.gguf`: a pretrained model shipped as a GGUF file in a wheel (`loorl.models.gguf`)."""
 
     package: str  # the wheel's package name on the package index
     version: str  # its exact version
@@ -317,6 +336,23 @@ class ModelSettings(Section):
             raise ConfigError(
                 "model.name_or_path is null and there is no model.tiny or model.gguf block: set one of them"
             )
+
+
+@dataclass(frozen=True, config=SCHEMA)
+class RewardFunctionSettings(Section):
+    """One entry of `reward.functions`: the task's verifier (`fn: task`) or a Hydra `{_target_: ...}`
+    callable, and its weight in the sum (`loorl.config.check_rewards` checks them in one line each)."""
+
+    fn: str | dict[str, Any]
+    weight: float = 1.0
+
+
+@dataclass(frozen=True, config=SCHEMA)
+class RewardSettings(Section):
+    """`reward`: the weighted reward functions and the clip of their sum (`loorl.rewards`)."""
+
+    functions: dict[str, RewardFunctionSettings]
+    clip: tuple[float, float] | None = None  # [low, high]; None: no clipping
 
 
 EvalSplit = Literal["eval", "train"]

@@ -21,7 +21,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from loorl.distributed import (
+from loorl.algo.masked import masked_std
+from loorl.algo.sample_metrics import maj_at_k, pass_at_k
+from loorl.errors import ConfigError
+from loorl.parallel.distributed import (
     all_reduce,
     check_world_divides,
     gather_rows,
@@ -29,15 +32,13 @@ from loorl.distributed import (
     rank_and_world,
     rank_block,
 )
-from loorl.errors import ConfigError
-from loorl.evaluation import maj_at_k, pass_at_k
-from loorl.masked import masked_std
-from loorl.profiling import PhaseClock
 from loorl.rewards import TASK_VERIFIER, Graded, RewardComposer, WeightedReward, correctness
-from loorl.rollout.batch import Rollout, assemble
-from loorl.rollout.engine import Completion, RolloutEngine
+from loorl.rollout.batch import assemble
+from loorl.rollout.engine import RolloutEngine
 from loorl.settings import RLSettings, RolloutSettings
-from loorl.tasks.base import Prompt, Task
+from loorl.tasks.base import Task
+from loorl.types import Completion, Prompt, Rollout
+from loorl.util.profiling import PhaseClock
 
 
 def rollout_stats(

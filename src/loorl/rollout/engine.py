@@ -1,44 +1,93 @@
-"""The interface every rollout engine implements (`hf`: transformers' generate; `vllm`: a colocated LLM)."""
+"""The interface every rollout engine implements, and what it is given.
+
+An engine is a class: the built-in ones are named by `rollout.engine` (`hf`: loorl's decoding loop
+on the live policy; `vllm`: a colocated vLLM `LLM`; `auto`: vLLM where CUDA and vllm are, HF
+otherwise), any other by `rollout._target_: package.module.Class` (which wins over the name). A class
+owns its settings (its block under `rollout`, or `rollout.options` for a plug-in), checks them in
+`check` before any model loads, says in `logprobs_match_trainer` whether its log-probs are the
+trainer's own, builds itself in `create`, and receives the policy's weights in `sync` as
+`PolicyWeights`: (name, tensor) pairs streamed one at a time.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from loorl.parallel.fsdp import full_tensors
+from loorl.types import Completion, SamplingConfig
+
+if TYPE_CHECKING:
+    from loorl.settings import ModelSettings, RolloutSettings
 
 
 @dataclass(frozen=True)
-class SamplingConfig:
-    """The sampler's whole distribution: engines sample from exactly this, and nothing from the
-    model's own generation_config.json; the trainer scores with the same temperature and truncation."""
+class EngineContext:
+    """What an engine class may read to check its settings (`check`: before any model is built, so
+    `model_path` is then the pretrained path or None, and `tokenizer` None) and to build (`create`)."""
 
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
+    rollout: RolloutSettings
+    model_dtype: str = "float32"  # model.dtype: the compute dtype
+    model: ModelSettings | None = None  # the whole model section (e.g. the tiny model's head size)
+    model_path: str | None = None
+    tokenizer: Any = None
+    seed: int = 0
+    share_prompt: bool = True
+    parallel: str = "auto"  # the training strategy: auto (one process) | ddp | fsdp
 
-    @property
-    def truncation(self) -> dict:
-        """The arguments of `logprobs.token_logprobs` that make it score this distribution."""
-        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
+    def token_ids(self) -> dict:
+        """The base engine's `eos_token_ids` and `pad_token_id`, from the tokenizer and the model files."""
+        return {
+            "eos_token_ids": eos_token_ids(self.model_path, self.tokenizer),
+            "pad_token_id": self.tokenizer.pad_token_id,
+        }
 
 
-@dataclass
-class Completion:
-    token_ids: list[int]  # cut after the first end-of-sequence id (included when present)
-    logprobs: list[float]  # the sampler's log-probability of each token
-    finished: bool  # True if it ended with EOS, False if cut by the length limit
+class PolicyWeights:
+    """The policy's weights as an engine receives them at each sync.
 
-    @property
-    def text_ids(self) -> list[int]:
-        """The tokens whose text the reward sees: without the end-of-sequence id (which need not
-        be a special token that decoding would skip, e.g. a model's second EOS)."""
-        return self.token_ids[:-1] if self.finished else self.token_ids
+    Iterating yields (name, full tensor) for every entry of the policy's state dict, one at a time:
+    under FSDP each is gathered just before it is yielded (every rank iterates in step), so no second
+    full copy of the model is resident. `module` is the live policy itself, for an engine that samples
+    with it in place instead of copying (the HF engine); a copying engine never needs it."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return full_tensors(self.module)
+
+    @classmethod
+    def of(cls, value) -> PolicyWeights:
+        return value if isinstance(value, PolicyWeights) else cls(value)
 
 
 class RolloutEngine(ABC):
     """Samples K completions per prompt from the current policy."""
 
     name: str = "engine"
+
+    # ---- the class: settings, checks, construction ---------------------------------------------
+    @classmethod
+    def check(cls, ctx: EngineContext) -> None:
+        """Raise a one-line ConfigError for settings this engine cannot run with (default: none)."""
+        return None
+
+    @classmethod
+    def logprobs_match_trainer(cls, model_dtype: str) -> bool:
+        """True when the engine's sampler log-probs equal the trainer's recomputation (then the
+        learner skips recomputing them where it can). Default: False, the safe answer."""
+        return False
+
+    @classmethod
+    def create(cls, ctx: EngineContext) -> RolloutEngine:
+        """The engine for this run (unbuilt where building is costly: it may start at the first sync).
+        Default: `cls(sampling, eos_token_ids=..., pad_token_id=..., **rollout.options)`."""
+        return cls(ctx.rollout.sampling, **ctx.token_ids(), **ctx.rollout.options)
 
     def __init__(
         self, sampling: SamplingConfig, *, eos_token_ids: int | list[int], pad_token_id: int
@@ -50,9 +99,10 @@ class RolloutEngine(ABC):
             raise ValueError("a rollout engine needs at least one end-of-sequence token id")
         self.pad_token_id = pad_token_id
 
+    # ---- the instance ------------------------------------------------------------------------------
     @abstractmethod
-    def sync(self, policy, version: int | None = None, *, force: bool = False) -> None:
-        """Make the engine sample from `policy`'s current weights.
+    def sync(self, weights: PolicyWeights, version: int | None = None, *, force: bool = False) -> None:
+        """Make the engine sample from these weights (`PolicyWeights`; a bare module is wrapped).
 
         `version` (the optimizer step count) lets an engine skip a copy it already holds; `force`
         copies anyway (a checkpoint may have replaced the weights under the same step count).

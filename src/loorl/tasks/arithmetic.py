@@ -9,9 +9,10 @@ from __future__ import annotations
 import numpy as np
 
 from loorl.errors import ConfigError
-from loorl.tasks.base import Prompt, Task
+from loorl.tasks.base import Task
 from loorl.tasks.data import filter_by_length, format_prompt
 from loorl.tasks.verifiers import check_answer_mode, extract_final_number
+from loorl.types import Prompt
 
 
 class ArithmeticTask(Task):

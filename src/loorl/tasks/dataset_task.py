@@ -7,7 +7,7 @@ import logging
 import numpy as np
 
 from loorl.errors import ConfigError
-from loorl.tasks.base import Prompt, Task
+from loorl.tasks.base import Task
 from loorl.tasks.data import Example, filter_by_length, format_prompt, load_examples
 from loorl.tasks.verifiers import (
     check_answer_mode,
@@ -17,6 +17,7 @@ from loorl.tasks.verifiers import (
     math_reward,
     normalize_math_answer,
 )
+from loorl.types import Prompt
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,9 @@ from dataclasses import replace
 import numpy as np
 
 from loorl.errors import ConfigError
-from loorl.tasks.base import Prompt, Task
+from loorl.tasks.base import Task
 from loorl.tasks.dataset_task import VERIFIERS, DatasetTask
+from loorl.types import Prompt
 
 SOURCE_DEFAULTS = {"weight": 1.0, "suffix": "", "answer_mode": "strict", "format_score": 0.0}
 DATA_KEYS = ("path", "train_split", "val_split", "layout", "question_key", "answer_key", "limit", "val_limit")

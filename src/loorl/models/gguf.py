@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from loorl.errors import ConfigError
-from loorl.wheels import extract_member, fetch_wheel, wheel_dir
+from loorl.util.wheels import extract_member, fetch_wheel, wheel_dir
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from loorl.models import torch_dtype
+from loorl.models.load import torch_dtype
 
 
 class RewardModel:

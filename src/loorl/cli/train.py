@@ -12,73 +12,23 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 
-from loorl.allocator import keep_freed_memory
-from loorl.callbacks import EngineSync, GracefulStop, HFExport, RunSummary, SampleLog
-from loorl.checkpoints import (
+from loorl.build import build_run, build_task, identity
+from loorl.cli.console import ProgressLines, run_cli
+from loorl.config import check_config
+from loorl.models.sources import model_label
+from loorl.parallel.distributed import shutdown
+from loorl.rollout.sync import EngineSync
+from loorl.training.callbacks import HFExport, RunSummary, SampleLog
+from loorl.training.checkpoints import (
     AtomicCheckpointIO,
+    GracefulStop,
     previous_metrics_rows,
     replay_metrics_rows,
     resolve_resume,
-    run_identity,
 )
-from loorl.config import Settings, check_config, load_settings, strategy_kind
-from loorl.console import ProgressLines, run_cli
-from loorl.distributed import shutdown
-from loorl.errors import ConfigError
-from loorl.models import load_tokenizer, model_identity, model_label, resolve_model_path
-from loorl.module import PolicyGradientModule
-from loorl.rewards import build_composer
-from loorl.rollout.datamodule import RolloutDataModule
-from loorl.rollout.factory import build_engine, resolve_engine
+from loorl.util.allocator import keep_freed_memory
 
 log = logging.getLogger(__name__)
-
-
-def build_datamodule(
-    cfg: DictConfig, task, tokenizer, model_path: str, s: Settings | None = None, **evaluation
-) -> RolloutDataModule:
-    """The environment side: the task, the rollout engine and the reward functions. `evaluation`:
-    the DataModule's eval_samples, eval_split and eval_limit (src/eval.py)."""
-    s = s or load_settings(cfg)
-    engine = build_engine(
-        s.rollout,
-        tokenizer,
-        model_path=model_path,
-        model_dtype=s.model.dtype,
-        seed=s.run.seed,
-        share_prompt=s.rl.share_prompt,
-    )
-    return RolloutDataModule(
-        task=task,
-        tokenizer=tokenizer,
-        engine=engine,
-        rl=s.rl,
-        rollout=s.rollout,
-        rewards=build_composer(cfg.reward, task),
-        seed=s.run.seed,
-        pass_k=s.run.val_pass_k,
-        **evaluation,
-    )
-
-
-def build_module(cfg: DictConfig, model_path: str, s: Settings | None = None) -> PolicyGradientModule:
-    """The learner: policy, reference, optimizer, loss, KL and estimator settings."""
-    s = s or load_settings(cfg)
-    return PolicyGradientModule(
-        model_path=model_path,
-        model=s.model,
-        optimizer=instantiate(cfg.optimizer),
-        rl=s.rl,
-        lr_schedule=s.lr_schedule,
-        loss=s.loss,
-        kl=s.kl,
-        estimator=s.estimator,
-        sampling=s.rollout.sampling,
-        seed=s.run.seed,
-        # the HF engine samples with the trainer's own forward pass; vLLM or bf16 differ slightly
-        sampler_logprobs_exact=resolve_engine(s.rollout.engine)[0] == "hf" and s.model.dtype == "float32",
-        identity=run_identity_of(cfg),
-    )
 
 
 def trainer_precision(cfg: DictConfig) -> str:
@@ -94,25 +44,6 @@ def trainer_precision(cfg: DictConfig) -> str:
     return {"bfloat16": "bf16-mixed", "float16": "16-mixed"}[cfg.model.dtype]
 
 
-def instantiate_unwrapped(node):
-    """Hydra wraps exceptions raised in a target; a ConfigError must reach the user as itself."""
-    from hydra.errors import InstantiationException
-
-    try:
-        return instantiate(node)
-    except InstantiationException as err:
-        cause = err.__cause__
-        while cause is not None and not isinstance(cause, ConfigError):
-            cause = cause.__cause__
-        if cause is not None:
-            raise cause from None
-        raise
-
-
-def run_identity_of(cfg: DictConfig) -> dict:
-    return run_identity(cfg, model=model_identity(cfg.model, cfg.task), strategy=strategy_kind(cfg))
-
-
 def train(cfg: DictConfig) -> dict[str, float]:
     """Check the config, build everything, validate once (step 0), train, write the outputs.
 
@@ -122,25 +53,23 @@ def train(cfg: DictConfig) -> dict[str, float]:
     if s.run.keep_freed_memory:
         keep_freed_memory()
     output_dir = Path(cfg.output_dir)
-    resume = resolve_resume(s.run.resume_from, output_dir, run_identity_of(cfg))  # checked, before loading
+    resume = resolve_resume(s.run.resume_from, output_dir, identity(s))  # checked, before loading
     output_dir.mkdir(parents=True, exist_ok=True)
     if rank_zero_only.rank == 0:  # one copy from a multi-process run (Lightning reads the rank from the env)
         OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
     L.seed_everything(s.run.seed, workers=True, verbose=False)
 
-    task = instantiate_unwrapped(cfg.task)
+    task = build_task(s)
     facts = task.run_facts()  # e.g. the sandbox isolation of a code task: said once, and in summary.md
     for name, line in facts.items():
         log.info("%s: %s", name, line)
-    model_path = resolve_model_path(cfg.model, cfg.task, task)
-    tokenizer = load_tokenizer(model_path)
-    datamodule = build_datamodule(cfg, task, tokenizer, model_path, s)
-    module = build_module(cfg, model_path, s)
+    parts = build_run(s, task=task)
+    datamodule, module, tokenizer = parts.datamodule, parts.module, parts.tokenizer
     checkpoints = output_dir / "checkpoints"
 
     summary = RunSummary(
         str(output_dir),
-        title=f"{s.estimator.name} on {cfg.task.name} ({model_label(s.model)})",
+        title=f"{s.estimator.label} on {s.task['name']} ({model_label(s.model)})",
         pass_k=s.run.val_pass_k,
         facts=facts,
     )

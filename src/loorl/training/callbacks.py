@@ -1,4 +1,6 @@
-"""End-of-run outputs: the learning-curve plot, the markdown summary and the HF export."""
+"""What a run leaves behind: the learning-curve plot, the markdown summary, the validation samples
+and the HF export. (The engine's weight sync is `loorl.rollout.sync`; the graceful stop on SIGTERM
+sits with the checkpoints, `loorl.training.checkpoints`.)"""
 
 from __future__ import annotations
 
@@ -6,8 +8,6 @@ import csv
 import json
 import logging
 import math
-import signal
-import threading
 import time
 from pathlib import Path
 
@@ -15,8 +15,8 @@ import lightning as L
 import numpy as np
 from lightning.pytorch.utilities import rank_zero_only
 
-from loorl.fsdp import full_state_dict, is_sharded, unwrapped_class
-from loorl.profiling import PHASES
+from loorl.parallel.fsdp import full_state_dict, is_sharded, unwrapped_class
+from loorl.util.profiling import PHASES
 
 log = logging.getLogger("loorl")
 
@@ -270,80 +270,3 @@ class HFExport(L.Callback):
                 policy.config.architectures = [unwrapped_class(policy).__name__]
                 policy.config.save_pretrained(self.output_dir)
             self.tokenizer.save_pretrained(self.output_dir)
-
-
-class EngineSync(L.Callback):
-    """Points the rollout engine at the policy's current weights before each rollout and validation.
-
-    The one place where the learner's weights reach the environment's sampler. The version (the
-    optimizer step count) lets an engine that copies weights (vLLM) skip a copy it already holds;
-    the first sync of a `fit` always copies, since a checkpoint may have just replaced the weights.
-    """
-
-    def __init__(self, engine) -> None:
-        self.engine = engine
-        self.force = True
-
-    def on_fit_start(self, trainer, pl_module) -> None:
-        self.force = True  # weights and step count are restored from a checkpoint after this hook
-
-    def _sync(self, trainer, pl_module) -> None:
-        self.engine.sync(pl_module.policy, version=trainer.global_step, force=self.force)
-        self.force = False
-
-    def on_train_epoch_start(self, trainer, pl_module) -> None:
-        self._sync(trainer, pl_module)
-
-    def on_validation_start(self, trainer, pl_module) -> None:
-        self._sync(trainer, pl_module)
-
-    def on_validation_end(self, trainer, pl_module) -> None:
-        self.engine.sleep()  # after all validation batches (a rollout sleeps when it is collected)
-
-
-class GracefulStop(L.Callback):
-    """SIGTERM (a scheduler's preemption notice) or a first Ctrl-C: finish the RL step under way, write
-    `last.ckpt` and stop; the end of `fit` then writes the summary, plot and export as usual. A second
-    Ctrl-C interrupts at once. Under several processes a signal on any rank stops all of them at the
-    same step.
-
-    Lightning's own SIGTERM handling stops after the running batch, before the step's end-of-epoch
-    work (validation, checkpoint); the handlers here replace it during training and are restored
-    afterwards.
-    """
-
-    def __init__(self, checkpoint: Path) -> None:
-        self.checkpoint = Path(checkpoint)
-        self.requested: str | None = None
-        self.saved_handlers: dict = {}
-
-    def _request(self, signum, frame) -> None:
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # the second Ctrl-C: now
-        self.requested = signal.Signals(signum).name
-        log.warning("%s: finishing this RL step, then checkpoint and stop (Ctrl-C again to stop now)",
-                    self.requested)  # fmt: skip
-
-    def on_train_start(self, trainer, pl_module) -> None:
-        if threading.current_thread() is not threading.main_thread():
-            return  # signals reach only the main thread
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            self.saved_handlers[sig] = signal.signal(sig, self._request)
-
-    def on_train_epoch_end(self, trainer, pl_module) -> None:
-        stop = trainer.strategy.reduce_boolean_decision(self.requested is not None, all=False)
-        if stop and not trainer.should_stop:
-            trainer.save_checkpoint(self.checkpoint)
-            log.warning("stopped after RL step %d: %s written", trainer.current_epoch + 1, self.checkpoint)
-            trainer.should_stop = True
-
-    def _restore(self) -> None:
-        for sig, handler in self.saved_handlers.items():
-            signal.signal(sig, handler)
-        self.saved_handlers.clear()
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        self._restore()
-
-    def on_exception(self, trainer, pl_module, exception) -> None:
-        self._restore()

@@ -11,7 +11,7 @@ accumulation, which averages micro-batch means). The engine follows the policy t
 
 Precision: `model.dtype` is the compute dtype, `model.master_dtype` that of the trainable weights
 and the optimizer state (float32 unless the user opts out). bfloat16 compute over float32 weights
-runs under Lightning's `bf16-mixed` (autocast), chosen by `loorl.train.trainer_precision`: AdamW
+runs under Lightning's `bf16-mixed` (autocast), chosen by `loorl.cli.train.trainer_precision`: AdamW
 updates at lr 1e-6 are mostly below half a bf16 step of a weight and would round to nothing.
 """
 
@@ -26,16 +26,18 @@ import numpy as np
 import torch
 from torchmetrics import MeanMetric, SumMetric
 
-from loorl import estimators
-from loorl.autocast import cached_autocast
-from loorl.checkpoints import IDENTITY_KEY
-from loorl.distributed import all_reduce, gather_rows, rank_and_world
-from loorl.logprobs import completion_logits, completion_logprobs, token_entropy, token_logprobs
-from loorl.losses import AdaptiveKLController, FixedKLController, LossStats, policy_loss, sequence_kl
-from loorl.models import FrozenReference, load_causal_lm
-from loorl.profiling import PhaseClock
-from loorl.rollout.batch import Rollout, RolloutBatch
-from loorl.rollout.engine import SamplingConfig
+from loorl.algo.estimators import AdvantageInput
+from loorl.algo.kl import AdaptiveKLController, FixedKLController, sequence_kl
+from loorl.algo.logprobs import (
+    FrozenReference,
+    completion_logits,
+    completion_logprobs,
+    token_entropy,
+    token_logprobs,
+)
+from loorl.algo.objectives import LossStats, policy_loss, token_loss_of
+from loorl.models.load import load_causal_lm
+from loorl.parallel.distributed import all_reduce, gather_rows, rank_and_world
 from loorl.settings import (
     EstimatorSettings,
     KLSettings,
@@ -44,6 +46,10 @@ from loorl.settings import (
     ModelSettings,
     RLSettings,
 )
+from loorl.training.checkpoints import IDENTITY_KEY
+from loorl.types import Rollout, RolloutBatch, SamplingConfig
+from loorl.util.autocast import cached_autocast
+from loorl.util.profiling import PhaseClock
 
 log = logging.getLogger(__name__)
 
@@ -106,14 +112,20 @@ class PolicyGradientModule(L.LightningModule):
         estimator: EstimatorSettings,
         sampling: SamplingConfig,  # the trainer scores the sampler's distribution (temperature, top-k/p)
         seed: int = 0,
-        sampler_logprobs_exact: bool = True,  # the sampler's log-probs are the trainer's (HF, float32)
+        sampler_logprobs_match_trainer: bool = True,  # RolloutEngine.logprobs_match_trainer (HF, float32)
         identity: dict | None = None,  # checkpoints.run_identity: kept in every checkpoint
     ) -> None:
         super().__init__()
         self.model_path, self.model_settings, self.optimizer_factory = model_path, model, optimizer
         self.rl, self.loss_settings, self.kl, self.estimator = rl, loss, kl, estimator
         self.lr_schedule = lr_schedule or LRScheduleSettings()
-        self.sampling, self.seed, self.sampler_logprobs_exact = sampling, seed, sampler_logprobs_exact
+        self.sampling, self.seed, self.sampler_logprobs_match_trainer = (
+            sampling,
+            seed,
+            sampler_logprobs_match_trainer,
+        )
+        self.advantage_fn = estimator.function  # registered, or `estimator._target_`
+        self.token_loss = token_loss_of(loss.name, loss.target)  # registered, or `loss._target_`
         self.identity = identity
         self.kl_controller = (
             AdaptiveKLController(kl.coef, kl.target, kl.horizon)
@@ -131,7 +143,7 @@ class PolicyGradientModule(L.LightningModule):
         self.val_counts = torch.nn.ModuleDict({name: SumMetric() for name in COUNTED_METRICS.values()})
         self.val_source_accuracy = torch.nn.ModuleDict()  # task=mix: source name -> MeanMetric
         self._grad_norms: list[float] = []
-        self.clock = PhaseClock()  # perf/<phase>_seconds of each step (loorl.profiling)
+        self.clock = PhaseClock()  # perf/<phase>_seconds of each step (loorl.util.profiling)
         self._step_started = time.perf_counter()  # reset at each epoch start
 
     # ---- models --------------------------------------------------------------------------------
@@ -152,7 +164,7 @@ class PolicyGradientModule(L.LightningModule):
         if m.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
         strategy = self.trainer.strategy if self._trainer is not None else None
-        shard = getattr(strategy, "shard", None)  # strategy=fsdp (loorl.strategies.FSDPStrategy)
+        shard = getattr(strategy, "shard", None)  # strategy=fsdp (loorl.training.strategies.FSDPStrategy)
         if shard is not None:
             shard(self.policy)
         if self.kl.needs_reference:
@@ -188,7 +200,7 @@ class PolicyGradientModule(L.LightningModule):
         }
         off_policy = self.rl.steps_per_rollout > 1
         policy_logprobs = None  # [N, C] the trained policy's, where they can differ from the sampler's
-        if off_policy or (self.reference is not None and not self.sampler_logprobs_exact):
+        if off_policy or (self.reference is not None and not self.sampler_logprobs_match_trainer):
             with cached_autocast(self.device):
                 policy_logprobs = completion_logprobs(self.policy, batch, **score)  # [N, C]
         batch = replace(batch, old_logprobs=policy_logprobs if off_policy else None)
@@ -206,9 +218,14 @@ class PolicyGradientModule(L.LightningModule):
                 shaped = shaped - self.kl_controller.value * kl_seq  # [W*N]
             self.kl_controller.update(metrics["rollout/kl"], n_steps=len(kl_seq))
             batch = replace(batch, ref_logprobs=ref)
-        advantages = estimators.compute_advantages(
-            self.estimator.name, shaped.view(-1, batch.group_size), whiten=self.estimator.whiten
-        ).reshape(-1)  # [W*N]
+        k = batch.group_size
+        lengths = gather_rows(batch.completion_mask.sum(-1))  # [W*N] tokens in the loss
+        inputs = AdvantageInput(
+            rewards=shaped.view(-1, k),  # [W*B, K]
+            lengths=lengths.view(-1, k),  # [W*B, K]
+            group_ids=torch.arange(len(shaped) // k, device=shaped.device),  # [W*B] one prompt per group
+        )
+        advantages = self.advantage_fn(inputs, whiten=self.estimator.whiten).reshape(-1)  # [W*N]
         metrics["rollout/advantage_abs_mean"] = float(advantages.abs().mean())
         return replace(batch, advantages=advantages.view(world, -1)[rank]), metrics  # [N] this rank's
 
@@ -285,6 +302,7 @@ class PolicyGradientModule(L.LightningModule):
                     settings=self.loss_settings,
                     kl_coef=kl_coef,
                     kl_estimator=self.kl.estimator,
+                    token_loss=self.token_loss,
                     **counts,
                 )
             with self.clock.phase("backward"):
@@ -298,7 +316,7 @@ class PolicyGradientModule(L.LightningModule):
         self._step_started = time.perf_counter()  # before the loop fetches (and generates) the rollout
 
     def step_timing(self, rollout_stats: dict[str, float]) -> dict[str, float]:
-        """This step's `perf/<phase>_seconds` (`loorl.profiling`), its whole time and the rest."""
+        """This step's `perf/<phase>_seconds` (`loorl.util.profiling`), its whole time and the rest."""
         phases = self.clock.pop()
         for key in ("perf/gen_seconds", "perf/grade_seconds"):  # the DataModule's phases
             if key in rollout_stats:

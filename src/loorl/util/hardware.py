@@ -64,3 +64,9 @@ def fast_compute_dtype() -> str:
     log.info("compute dtype %s: a bf16 matrix product runs at %.2fx float32 on this CPU (%s kernels)",
              choice, speedup, cpu_capability())  # fmt: skip
     return choice
+
+
+def cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,4 +1,5 @@
-"""Per-token policy-gradient losses, their aggregation, and KL penalties.
+"""The policy objective: per-token policy-gradient losses (a registry), their aggregation, and the
+loss of one micro-batch with its statistics. The KL term's estimators live in `loorl.algo.kl`.
 
 Shapes: N sequences, T completion positions (right-padded), V vocabulary entries.
 `mask` [N, T] is 1 on real completion tokens; positions outside it may hold anything (even NaN)
@@ -7,23 +8,25 @@ and never reach a loss, because they are dropped with `torch.where`, not multipl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 
-from loorl.distributed import all_reduce
+from loorl.algo.kl import MAX_LOG_RATIO, kl_per_token
+from loorl.algo.masked import masked_mean
 from loorl.errors import ConfigError
-from loorl.masked import masked_mean
-from loorl.rollout.batch import RolloutBatch
-from loorl.settings import AGGREGATIONS, KL_ESTIMATORS, RATIO_LEVELS, LossSettings
+from loorl.parallel.distributed import all_reduce
+from loorl.types import RolloutBatch
+from loorl.util.plugins import import_object
 
-# Where each estimator gives a KL gradient (exact expectations: tests/test_kl_gradients.py).
-# Folded into the reward (a score-function term) only k1's gradient is that of KL(pi||ref);
-# as a loss term k1's expected gradient is 0, k2's is that of KL(pi||ref), k3's that of the
-# reverse KL(ref||pi) (what GRPO implementations use).
-KL_ESTIMATORS_BY_PLACEMENT = {"reward": ("k1",), "loss": ("k2", "k3")}
+if TYPE_CHECKING:  # the settings layer sits above this one: it checks names against the registry here
+    from loorl.settings import LossSettings
 
-_MAX_LOG_RATIO = 20.0  # exp(20) ~ 5e8: beyond it a ratio is meaningless and exp() heads for inf
+Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+RatioLevel = Literal["token", "sequence"]
+AGGREGATIONS, RATIO_LEVELS = get_args(Aggregation), get_args(RatioLevel)
 
 
 # ---- policy losses -----------------------------------------------------------------------------
@@ -61,13 +64,84 @@ def clipped_surrogate_token_loss(
     if ratio_level == "sequence":
         seq_log_ratio = masked_mean(log_ratio, valid, -1, keepdim=True)  # [N, 1]
         log_ratio = seq_log_ratio.expand_as(logprobs)  # [N, T]
-    ratio = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO).exp()  # [N, T]
+    ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()  # [N, T]
     adv = advantages.detach().to(logprobs.dtype).unsqueeze(-1)  # [N, 1]
     unclipped = -adv * ratio  # [N, T]
     clipped_loss = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [N, T]
     loss = torch.maximum(unclipped, clipped_loss)  # [N, T]
     clipped = (clipped_loss > unclipped) & valid  # [N, T]
     return loss, clipped
+
+
+# ---- the registry of per-token policy losses ---------------------------------------------------
+TokenLoss = Callable[..., "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
+_TOKEN_LOSSES: dict[str, TokenLoss] = {}
+
+
+def register_loss(name: str) -> Callable[[TokenLoss], TokenLoss]:
+    """Register `fn(logprobs [n, C], batch: RolloutBatch, settings: LossSettings)` under `name`.
+
+    It returns the per-token loss [n, C] (its gradient is the policy gradient), or that and a bool
+    [n, C] marking the tokens where a clip was active (`train/clip_frac`). `batch` holds the
+    advantages [n], the completion mask [n, C] and, when the ratio can differ from 1, the old
+    log-probs [n, C]; `policy_loss` then applies truncated importance sampling, the KL loss term and
+    the aggregation (`loss.agg`). Chosen by `loss.name`, or by `loss._target_` for a function
+    outside loorl (registered or not)."""
+
+    def decorator(fn: TokenLoss) -> TokenLoss:
+        if name in _TOKEN_LOSSES:
+            raise ValueError(f"policy loss '{name}' is already registered")
+        _TOKEN_LOSSES[name] = fn
+        return fn
+
+    return decorator
+
+
+def loss_names() -> list[str]:
+    return sorted(_TOKEN_LOSSES)
+
+
+def token_loss_of(name: str, target: str | None = None) -> TokenLoss:
+    """The per-token loss `loss._target_` names (a dotted path), else the registered `loss.name`."""
+    if target is not None:
+        return import_object(target, "loss._target_")
+    if name not in _TOKEN_LOSSES:
+        raise ConfigError(
+            f"unknown policy loss '{name}' (loss.name); choose one of: {', '.join(loss_names())}"
+        )
+    return _TOKEN_LOSSES[name]
+
+
+@register_loss("reinforce")
+def reinforce_loss(logprobs: torch.Tensor, batch: RolloutBatch, settings: LossSettings) -> torch.Tensor:
+    """-A * log pi [n, C], whatever the old log-probs: the on-policy REINFORCE loss."""
+    return reinforce_token_loss(logprobs, batch.advantages)
+
+
+@register_loss("clipped")
+def clipped_loss(
+    logprobs: torch.Tensor, batch: RolloutBatch, settings: LossSettings
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate (GSPO's with `loss.ratio_level=sequence`); on-policy the ratio is 1."""
+    old = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs  # [n, C]
+    return clipped_surrogate_token_loss(
+        logprobs,
+        old,
+        batch.advantages,
+        batch.completion_mask,
+        clip_low=settings.clip_low,
+        clip_high=settings.clip_high,
+        ratio_level=settings.ratio_level,
+    )  # [n, C], [n, C]
+
+
+@register_loss("auto")
+def auto_loss(logprobs: torch.Tensor, batch: RolloutBatch, settings: LossSettings):
+    """REINFORCE at one optimizer step per rollout (no old log-probs: the ratio is exactly 1, and
+    -A log pi has the same gradient without computing it), the clipped surrogate otherwise."""
+    if batch.old_logprobs is None:
+        return reinforce_loss(logprobs, batch, settings)
+    return clipped_loss(logprobs, batch, settings)
 
 
 # ---- aggregation -------------------------------------------------------------------------------
@@ -106,98 +180,6 @@ def aggregate(
         length = token_loss.shape[1] if max_len is None else max_len
         return masked.sum() / (n_seqs * max(length, 1))
     raise ConfigError(f"loss.agg={mode!r} is not one of: {', '.join(AGGREGATIONS)}")
-
-
-# ---- KL to the reference policy ----------------------------------------------------------------
-def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, *, estimator: str) -> torch.Tensor:
-    """Per-token estimate [N, T] of KL(pi || ref) from the sampled tokens' logprobs (y ~ pi).
-
-    With d = log pi - log ref: k1 = d (unbiased value, can be negative); k2 = d^2 / 2 (biased
-    value, low variance); k3 = exp(-d) - 1 + d (Schulman's unbiased value, always >= 0).
-    Their values all estimate KL(pi||ref), but their gradients differ, so each is accepted only
-    where its expected gradient is a KL gradient (see check_kl_placement):
-      in the reward (-coef * sum_t kl_t, a score-function term): k1 -> grad KL(pi||ref);
-      as a loss term (coef * kl_t, differentiated through log pi): k2 -> grad KL(pi||ref),
-      k3 -> grad of the reverse KL(ref||pi) (as GRPO implementations use). k1 as a loss term
-      has expected gradient exactly 0; k2 or k3 in the reward give no KL's gradient.
-    A loss term's KL is each token's given its sampled prefix: over several tokens it lacks the
-    part of the sequence KL's gradient through which a token changes later tokens' KL, which the
-    reward (k1) carries. scripts/kl_gradient_table.py prints all of them exactly.
-    """
-    if estimator not in KL_ESTIMATORS:
-        raise ConfigError(f"kl.estimator={estimator!r} is not one of: {', '.join(KL_ESTIMATORS)}")
-    d = logprobs - ref_logprobs  # [N, T]
-    if estimator == "k1":
-        return d
-    if estimator == "k2":
-        return 0.5 * d * d  # [N, T]
-    return torch.exp((-d).clamp(max=_MAX_LOG_RATIO)) - 1.0 + d  # [N, T] k3
-
-
-def check_kl_placement(estimator: str, in_reward: bool) -> None:
-    """Raise ConfigError unless `estimator` gives a KL gradient where the KL term is placed."""
-    placement = "reward" if in_reward else "loss"
-    if estimator in KL_ESTIMATORS_BY_PLACEMENT[placement]:
-        return
-    why = "has expected gradient 0" if estimator == "k1" else "does not give a KL gradient"
-    raise ConfigError(
-        f"kl.estimator={estimator} with kl.in_reward={str(in_reward).lower()} {why}: "
-        "in the reward (kl.in_reward=true) use kl.estimator=k1; as a loss term (kl.in_reward=false) "
-        "use kl.estimator=k2 (gradient of KL(pi||ref)) or kl.estimator=k3 "
-        "(gradient of the reverse KL(ref||pi), as GRPO implementations do)"
-    )
-
-
-class FixedKLController:
-    """A constant KL coefficient."""
-
-    def __init__(self, coef: float) -> None:
-        self.value = float(coef)
-
-    def update(self, current_kl: float, n_steps: int) -> None:
-        pass
-
-    def state_dict(self) -> dict:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.value = float(state["value"])
-
-
-class AdaptiveKLController:
-    """Adaptive KL coefficient (Ziegler et al. 2019): steer the measured KL towards `target`.
-
-    error = clip(KL / target - 1, -0.2, 0.2); value *= 1 + error * n_steps / horizon.
-    The clip bounds how fast one noisy KL measurement can move the coefficient.
-    """
-
-    def __init__(self, init_coef: float, target: float, horizon: int) -> None:
-        if not target > 0:
-            raise ConfigError(f"kl.target={target} must be a positive number")
-        if not horizon > 0:
-            raise ConfigError(f"kl.horizon={horizon} must be a positive number")
-        self.value, self.target, self.horizon = float(init_coef), float(target), horizon
-
-    def update(self, current_kl: float, n_steps: int) -> None:
-        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
-        self.value *= 1.0 + error * n_steps / self.horizon
-
-    def state_dict(self) -> dict:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.value = float(state["value"])
-
-
-def sequence_kl(
-    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, *, estimator: str
-) -> torch.Tensor:
-    """Per-sequence KL estimate [N]: the per-token estimate summed over each completion's real tokens.
-
-    Folded into the reward as `reward - coef * sequence_kl` (before the baseline, so it sees it too).
-    """
-    kl_tok = kl_per_token(logprobs, ref_logprobs, estimator=estimator)  # [N, T]
-    return torch.where(mask.bool(), kl_tok, 0.0).sum(-1)  # [N]
 
 
 # ---- the policy loss of one micro-batch --------------------------------------------------------
@@ -266,31 +248,22 @@ def policy_loss(
     num_seqs: int,
     kl_coef: float | None = None,
     kl_estimator: str = "k3",
+    token_loss: TokenLoss | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """The policy-gradient loss of a micro-batch and its statistics.
 
     logprobs [n, C]: the trained policy's, with gradient, under the sampler's distribution.
-    The loss is REINFORCE (-A log pi) when `batch.old_logprobs` is None (one optimizer step per
-    rollout: the ratio is exactly 1), the clipped surrogate otherwise; tokens are weighted by the
-    truncated importance weight min(pi_train / pi_sampler, tis_cap) when `settings.tis_cap` is set,
-    a KL loss term `kl_coef * kl_t` is added when `kl_coef` is not None, and the result is
-    aggregated with the counts of the whole mini-batch (`num_tokens`, `num_seqs`), so that the
-    micro-batch losses add up to the mini-batch loss.
+    The per-token loss is `token_loss` (default: the one `settings.target` or `settings.name` names;
+    `auto` is REINFORCE when `batch.old_logprobs` is None, the clipped surrogate otherwise); tokens
+    are weighted by the truncated importance weight min(pi_train / pi_sampler, tis_cap) when
+    `settings.tis_cap` is set, a KL loss term `kl_coef * kl_t` is added when `kl_coef` is not None,
+    and the result is aggregated with the counts of the whole mini-batch (`num_tokens`, `num_seqs`),
+    so that the micro-batch losses add up to the mini-batch loss.
     """
     mask = batch.completion_mask  # [n, C]
-    if batch.old_logprobs is None:
-        tok_loss = reinforce_token_loss(logprobs, batch.advantages)  # [n, C]
-        clipped = torch.zeros_like(mask, dtype=torch.bool)  # [n, C]
-    else:
-        tok_loss, clipped = clipped_surrogate_token_loss(
-            logprobs,
-            batch.old_logprobs,
-            batch.advantages,
-            mask,
-            clip_low=settings.clip_low,
-            clip_high=settings.clip_high,
-            ratio_level=settings.ratio_level,
-        )  # [n, C], [n, C]
+    token_loss = token_loss or token_loss_of(settings.name, settings.target)
+    out = token_loss(logprobs, batch, settings)
+    tok_loss, clipped = out if isinstance(out, tuple) else (out, torch.zeros_like(mask, dtype=torch.bool))
     # Sampler/trainer mismatch: log pi_train - log pi_sampler per token, at the rollout's weights.
     behaviour = (logprobs if batch.old_logprobs is None else batch.old_logprobs).detach()  # [n, C]
     log_ratio = torch.where(mask.bool(), behaviour - batch.sampler_logprobs, 0.0)  # [n, C]

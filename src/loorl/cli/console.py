@@ -14,7 +14,7 @@ import warnings
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 
-from loorl.callbacks import validated_step
+from loorl.training.callbacks import validated_step
 
 log = logging.getLogger("loorl")
 
@@ -71,7 +71,7 @@ def quiet_library_output() -> None:
         module=r"lightning\.pytorch\.utilities\._pytree",
     )
     # Under DDP/FSDP Lightning suggests `sync_dist=True` for every epoch-level metric. loorl's metrics
-    # are reduced before they are logged (sums and counts over ranks, `loorl.distributed`), so they
+    # are reduced before they are logged (sums and counts over ranks, `loorl.parallel.distributed`), so they
     # are the same on every rank; Lightning's sync would average them once more per metric.
     warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\('(rollout|train|perf)/")
 

@@ -20,12 +20,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from loorl.callbacks import EngineSync, SampleLog
-from loorl.checkpoints import IDENTITY_KEY, read_checkpoint
 from loorl.config import check_config
 from loorl.errors import ConfigError
-from loorl.models import load_tokenizer, model_identity, model_label, resolve_model_path
+from loorl.models.sources import model_identity, model_label
+from loorl.rollout.sync import EngineSync
 from loorl.settings import EvalSettings
+from loorl.training.callbacks import SampleLog
+from loorl.training.checkpoints import IDENTITY_KEY, read_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,8 @@ def evaluate(cfg: DictConfig) -> dict:
     """Check the settings, load the policy, run the validation loop once, write the results."""
     from hydra.utils import instantiate
 
-    from loorl.train import build_datamodule, build_module, instantiate_unwrapped, trainer_precision
+    from loorl.build import build_run, build_task
+    from loorl.cli.train import trainer_precision
 
     started = time.perf_counter()
     if OmegaConf.is_missing(cfg, "policy"):
@@ -106,14 +108,12 @@ def evaluate(cfg: DictConfig) -> dict:
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
 
-    task = instantiate_unwrapped(cfg.task)
+    task = build_task(s)
     for name, line in task.run_facts().items():
         log.info("%s: %s", name, line)
-    model_path = resolve_model_path(cfg.model, cfg.task, task)
-    tokenizer = load_tokenizer(model_path)
     evaluation = {"eval_samples": e.samples, "eval_split": e.split, "eval_limit": e.num_prompts}
-    datamodule = build_datamodule(cfg, task, tokenizer, model_path, s, **evaluation)
-    module = build_module(cfg, model_path, s)
+    parts = build_run(s, task=task, **evaluation)
+    datamodule, module = parts.datamodule, parts.module
     trainer = instantiate(
         cfg.trainer,
         logger=False,
@@ -136,7 +136,7 @@ def evaluate(cfg: DictConfig) -> dict:
     results = {
         "policy": str(policy),
         "model": model_label(s.model) if kind == "checkpoint" else str(policy),
-        "task": cfg.task.name,
+        "task": s.task["name"],
         "num_prompts": len(datamodule.eval_prompts),
         "eval": {"split": e.split, "samples": e.samples, "k": e.k, "seed": s.run.seed},
         "metrics": {k: float(v) for k, v in metrics.items()},
@@ -153,6 +153,6 @@ def evaluate(cfg: DictConfig) -> dict:
 
 def main(cfg: DictConfig) -> dict:
     """The CLI: a bad setting prints one `error:` line and exits 2."""
-    from loorl.console import run_cli
+    from loorl.cli.console import run_cli
 
     return run_cli(evaluate, cfg)

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from loorl.tasks.base import Prompt, Task
+from loorl.settings import RewardSettings
+from loorl.tasks.base import Task
+from loorl.types import Prompt
 
 log = logging.getLogger(__name__)
 
@@ -166,13 +168,14 @@ class RewardComposer:
         return Graded(rewards, correct, int(rewards.isnan().sum()), parts)
 
 
-def build_composer(reward_cfg, task: Task) -> RewardComposer:
-    """From `conf/reward/*.yaml`: `fn: task` is the task's verifier, a dict is instantiated by Hydra."""
+def build_composer(reward: RewardSettings, task: Task) -> RewardComposer:
+    """From the `reward` settings: `fn: task` is the task's verifier, a mapping is instantiated by Hydra."""
     from hydra.utils import instantiate
 
+    if not isinstance(reward, RewardSettings):  # the raw `reward` section (notebooks, older scripts)
+        reward = RewardSettings.from_cfg(reward, "reward")
     functions = []
-    for name, spec in reward_cfg.functions.items():
+    for name, spec in reward.functions.items():
         fn = TASK_VERIFIER if spec.fn == TASK_VERIFIER else instantiate(spec.fn)
-        functions.append(WeightedReward(name=name, fn=fn, weight=float(spec.get("weight", 1.0))))
-    clip = tuple(reward_cfg.clip) if reward_cfg.get("clip") is not None else None
-    return RewardComposer(functions, task=task, clip=clip)
+        functions.append(WeightedReward(name=name, fn=fn, weight=float(spec.weight)))
+    return RewardComposer(functions, task=task, clip=reward.clip)

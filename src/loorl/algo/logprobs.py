@@ -13,8 +13,7 @@ import math
 import torch
 
 from loorl.errors import ConfigError
-from loorl.rollout.batch import RolloutBatch
-from loorl.rollout.engine import SamplingConfig
+from loorl.types import RolloutBatch, SamplingConfig
 
 
 def _check_temperature(temperature: float) -> None:
@@ -211,3 +210,27 @@ def completion_logprobs(
         parts.append(token_logprobs(logits, sub.completion_ids, **sampling.truncation))  # [n, C]
         del logits
     return torch.cat(parts)  # [N, C]
+
+
+class FrozenReference:
+    """The frozen reference policy, kept outside the LightningModule's tree of submodules.
+
+    Lightning then neither wraps, moves nor checkpoints it: it is rebuilt from the model files,
+    lives on the training device, or in CPU memory with `offload` (scored there, results moved back).
+    """
+
+    def __init__(self, model, *, offload: bool = False) -> None:
+        self.model, self.offload = model, offload
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def completion_logprobs(self, batch, *, device: torch.device, **score) -> torch.Tensor:
+        """log ref(y_t | ...) [N, C] of the batch's completions (see `logprobs.completion_logprobs`)."""
+        from loorl.algo.logprobs import completion_logprobs
+        from loorl.parallel.fsdp import is_sharded
+
+        target = torch.device("cpu") if self.offload else torch.device(device)
+        if not is_sharded(self.model) and next(self.model.parameters()).device != target:
+            self.model.to(target)  # (a sharded reference stays where FSDP placed it)
+        return completion_logprobs(self.model, batch.to(target), **score).to(device)  # [N, C]

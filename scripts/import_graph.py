@@ -1,0 +1,143 @@
+"""The import graph of `src/loorl`: files, internal imports, imports that point upward, cycles.
+
+    python scripts/import_graph.py [--edges]
+
+An import is an edge between two loorl modules (`import loorl.x`, `from loorl.x import y`,
+`from loorl import x`, function-level imports included). "Upward" means the imported module sits in
+a higher layer than the importer, by `LAYERS` below (a module's layer is that of the longest
+prefix listed; the tree's own folders are the layers). A cycle is a strongly connected component
+of more than one module (Tarjan's algorithm, over the whole graph).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "src"  # --root changes it
+
+# lowest first: a module may import from its own layer and below. The second name of each pair is
+# where that layer's modules lived in the flat tree before the folders (`--root` at an older commit).
+LAYERS = [
+    ["loorl.errors", "loorl.types", "loorl.util", "loorl.parallel"]
+    + [f"loorl.{m}" for m in ("padding", "hardware", "profiling", "allocator", "wheels", "autocast")]
+    + ["loorl.distributed", "loorl.fsdp"],
+    ["loorl.algo"] + [f"loorl.{m}" for m in ("masked", "estimators", "losses", "logprobs", "evaluation")],
+    ["loorl.settings", "loorl.resolvers"],
+    ["loorl.sandbox", "loorl.tasks"],
+    ["loorl.models", "loorl.gguf_models"],
+    ["loorl.rewards", "loorl.reward_model", "loorl.reward_library"],
+    ["loorl.rollout"],
+    ["loorl.training"] + [f"loorl.{m}" for m in ("module", "callbacks", "checkpoints", "strategies")],
+    ["loorl.config", "loorl.build"],
+    ["loorl.research", "loorl.cli"]
+    + [f"loorl.{m}" for m in ("ablation", "grad_variance", "train", "evaluate")]
+    + ["loorl.console"],
+]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer(module: str) -> int | None:
+    best, rank = -1, None
+    for i, prefixes in enumerate(LAYERS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best:
+                best, rank = len(p), i
+    return rank
+
+
+def imports(path: Path, modules: set[str]) -> set[str]:
+    """The loorl modules `path` imports (a package import counts as its `__init__`)."""
+    me = module_name(path)
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative
+                pkg = me.split(".")[: -node.level] if not path.name == "__init__.py" else me.split(".")
+                base = ".".join(pkg + ([base] if base else []))
+            names = [f"{base}.{a.name}" for a in node.names] + [base]
+        for n in names:
+            while n and n not in modules:
+                n = n.rpartition(".")[0]
+            if n and n != me and n != "loorl":
+                found.add(n)
+    # `from loorl.x import y` adds both loorl.x.y (when a module) and loorl.x: keep the most specific
+    return {n for n in found if not any(o.startswith(n + ".") for o in found) or n.endswith("__init__")}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    sys.setrecursionlimit(10000)
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--edges", action="store_true", help="list every edge and every upward one")
+    parser.add_argument("--root", type=Path, help="another checkout's src/ folder (e.g. a git worktree)")
+    args = parser.parse_args(argv)
+    global ROOT
+    ROOT = args.root.resolve() if args.root else ROOT
+    files = sorted(p for p in (ROOT / "loorl").rglob("*.py"))
+    modules = {module_name(p) for p in files} - {"loorl"}
+    files = [p for p in files if module_name(p) in modules]
+    graph = {module_name(p): imports(p, modules) for p in files}
+    edges = [(a, b) for a in sorted(graph) for b in sorted(graph[a])]
+    upward = [(a, b) for a, b in edges if None not in (layer(a), layer(b)) and layer(b) > layer(a)]
+    unlayered = sorted(m for m in modules if layer(m) is None)
+    found = cycles(graph)
+    print(f"files: {len(files)}  imports: {len(edges)}  upward: {len(upward)}  cycles: {len(found)}")
+    for a, b in upward:
+        print(f"  upward: {a} -> {b}")
+    for c in found:
+        print(f"  cycle: {' <-> '.join(c)}")
+    if unlayered:
+        print(f"  not in LAYERS: {', '.join(unlayered)}")
+    if args.edges:
+        for a, b in edges:
+            print(f"  {a} -> {b}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,127 @@
+"""One run builder: from the checked settings to the pieces of a run.
+
+`build_run(settings)` returns the task, the policy's files and tokenizer, the environment (the
+`RolloutDataModule` with its rollout engine and reward functions) and the learner (the
+`PolicyGradientModule`), in the order each needs the one before: settings -> task -> model path
+(building or converting the model on its first use) -> tokenizer -> engine -> DataModule -> module.
+`src/train.py`, `src/eval.py` and the scripts all build through it; the Lightning `Trainer`, its
+loggers and callbacks stay with the command that runs them (`loorl.cli`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from loorl.config import Settings, load_settings
+from loorl.errors import ConfigError
+from loorl.models.load import load_tokenizer
+from loorl.models.sources import model_identity, resolve_model_path
+from loorl.rewards import build_composer
+from loorl.rollout.datamodule import RolloutDataModule
+from loorl.rollout.factory import build_engine, engine_class
+from loorl.tasks.base import Task
+from loorl.training.checkpoints import run_identity
+from loorl.training.module import PolicyGradientModule
+
+
+@dataclass
+class RunParts:
+    settings: Settings
+    task: Task
+    model_path: str  # the policy's directory (or hub id)
+    tokenizer: Any
+    datamodule: RolloutDataModule  # the environment: task, engine, rewards
+    module: PolicyGradientModule  # the learner: policy, reference, estimator, loss
+
+    @property
+    def engine(self):
+        return self.datamodule.engine
+
+
+def as_settings(cfg_or_settings: Settings | DictConfig) -> Settings:
+    """Settings as they are, or loaded (unchecked: `loorl.config.check_config` checks) from a config."""
+    return cfg_or_settings if isinstance(cfg_or_settings, Settings) else load_settings(cfg_or_settings)
+
+
+def instantiate_unwrapped(node):
+    """Hydra wraps exceptions raised in a target; a ConfigError must reach the user as itself."""
+    from hydra.errors import InstantiationException
+
+    try:
+        return instantiate(node)
+    except InstantiationException as err:
+        cause = err.__cause__
+        while cause is not None and not isinstance(cause, ConfigError):
+            cause = cause.__cause__
+        if cause is not None:
+            raise cause from None
+        raise
+
+
+def build_task(s: Settings) -> Task:
+    return instantiate_unwrapped(s.task)
+
+
+def identity(s: Settings) -> dict:
+    """What every checkpoint of this run records and a resume checks (`training.checkpoints`)."""
+    return run_identity(s, model=model_identity(s.model, s.task), strategy=s.strategy)
+
+
+def build_datamodule(
+    cfg_or_settings, task: Task, tokenizer, model_path: str, **evaluation
+) -> RolloutDataModule:
+    """The environment side: the task, the rollout engine and the reward functions. `evaluation`:
+    the DataModule's eval_samples, eval_split and eval_limit (src/eval.py)."""
+    s = as_settings(cfg_or_settings)
+    engine = build_engine(
+        s.rollout,
+        tokenizer,
+        model_path=model_path,
+        model_dtype=s.model.dtype,
+        seed=s.run.seed,
+        share_prompt=s.rl.share_prompt,
+    )
+    return RolloutDataModule(
+        task=task,
+        tokenizer=tokenizer,
+        engine=engine,
+        rl=s.rl,
+        rollout=s.rollout,
+        rewards=build_composer(s.reward, task),
+        seed=s.run.seed,
+        pass_k=s.run.val_pass_k,
+        **evaluation,
+    )
+
+
+def build_module(cfg_or_settings, model_path: str) -> PolicyGradientModule:
+    """The learner: policy, reference, optimizer, loss, KL and estimator settings."""
+    s = as_settings(cfg_or_settings)
+    return PolicyGradientModule(
+        model_path=model_path,
+        model=s.model,
+        optimizer=instantiate(s.optimizer),
+        rl=s.rl,
+        lr_schedule=s.lr_schedule,
+        loss=s.loss,
+        kl=s.kl,
+        estimator=s.estimator,
+        sampling=s.rollout.sampling,
+        seed=s.run.seed,
+        sampler_logprobs_match_trainer=engine_class(s.rollout)[0].logprobs_match_trainer(s.model.dtype),
+        identity=identity(s),
+    )
+
+
+def build_run(s: Settings, *, task: Task | None = None, **evaluation) -> RunParts:
+    """Every piece of a run, built in order; `task`: one already built (to log its facts first)."""
+    task = task or build_task(s)
+    model_path = resolve_model_path(s.model, s.task, task)
+    tokenizer = load_tokenizer(model_path)
+    datamodule = build_datamodule(s, task, tokenizer, model_path, **evaluation)
+    module = build_module(s, model_path)
+    return RunParts(s, task, model_path, tokenizer, datamodule, module)

@@ -1,0 +1,171 @@
+"""Extending loorl from outside `src/`: a new estimator, a new policy loss and a new rollout engine,
+each named by a `_target_` setting and defined in tests/plugins/ (nothing under src/ names them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from loorl.algo import estimators
+from loorl.algo.estimators import AdvantageInput
+from loorl.algo.objectives import loss_names, policy_loss, token_loss_of
+from loorl.config import check_config
+from loorl.errors import ConfigError
+from loorl.types import RolloutBatch
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"
+
+
+def plugin_env(**extra: str) -> dict[str, str]:
+    """The environment of a `python src/train.py` that can import tests/plugins (and nothing else new)."""
+    path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def train_cli(tmp_path: Path, model_cache: Path, *overrides: str, **env: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "src/train.py", "debug=quick", f"model.cache_dir={model_cache}",
+               "rl.steps=2", "val_every=2", "val_pass_k=0", "checkpoint_every=0", "export_policy=false",
+               f"hydra.run.dir={tmp_path / 'run'}", *overrides]  # fmt: skip
+    return subprocess.run(
+        command, cwd=ROOT, env=plugin_env(**env), capture_output=True, text=True, timeout=600
+    )
+
+
+def test_estimator_and_loss_from_outside_src_train_two_steps(tmp_path, model_cache):
+    """`python src/train.py estimator._target_=plugins.research.length_normalised_rloo
+    loss._target_=plugins.research.cispo_token_loss`: both run at every step, and the run finishes.
+    Two optimizer steps per rollout, so CISPO's ratio is a real one (old log-probs recomputed)."""
+    calls = tmp_path / "calls.txt"
+    done = train_cli(
+        tmp_path, model_cache,
+        "estimator._target_=plugins.research.length_normalised_rloo",
+        "loss._target_=plugins.research.cispo_token_loss",
+        "rl.epochs_per_rollout=2",
+        LOORL_PLUGIN_CALLS=str(calls),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    seen = calls.read_text().split()
+    assert seen.count("estimator") == 2  # once per RL step
+    assert seen.count("loss") >= 4  # at least once per optimizer step: 2 steps x 2 epochs
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert [step for step, _ in metrics["history"]["train/loss"]] == [0, 1]
+    assert "length_normalised_rloo on arithmetic" in (tmp_path / "run" / "summary.md").read_text()
+
+
+def test_a_bad_target_is_one_line_before_any_model_loads(quick_cfg):
+    for key, path in (("estimator", "plugins.research.no_such_fn"), ("loss", "nowhere.at_all.fn")):
+        with pytest.raises(ConfigError) as err:
+            check_config(quick_cfg(f"{key}._target_={path}"))
+        message = str(err.value)
+        assert message.startswith(f"{key}._target_={path} cannot be imported (") and "\n" not in message
+
+
+def test_unknown_loss_name_lists_the_registered_ones(quick_cfg):
+    with pytest.raises(
+        ConfigError, match=r"unknown policy loss 'ppo' \(loss.name\); choose one of: auto, clipped"
+    ):
+        check_config(quick_cfg("loss.name=ppo"))
+
+
+def test_a_target_estimator_keeps_its_minimum_group_size(quick_cfg):
+    """The plug-in registered itself with min_group_size=2: K=1 is refused as for RLOO."""
+    with pytest.raises(ConfigError, match="too small for estimator=length_normalised_rloo"):
+        check_config(quick_cfg("estimator._target_=plugins.research.length_normalised_rloo",
+                               "rl.samples_per_prompt=1"))  # fmt: skip
+
+
+@pytest.mark.parametrize("name", estimators.names())
+def test_a_missing_sample_counts_as_an_unscorable_one(name):
+    """Uneven groups: `mask` False on a sample gives the same advantages as a NaN reward there."""
+    g = torch.Generator().manual_seed(3)
+    rewards = torch.rand(5, 4, generator=g)  # [B, K]
+    mask = torch.ones(5, 4, dtype=torch.bool)
+    mask[0, 3] = mask[2, 1] = mask[2, 2] = False  # groups of 3, 2 and 4 samples
+    with_nan = torch.where(mask, rewards, torch.nan)
+    for whiten in (False, True):
+        masked = estimators.get(name)(AdvantageInput(rewards, mask=mask), whiten=whiten)
+        torch.testing.assert_close(masked, estimators.get(name)(with_nan, whiten=whiten))
+        assert (masked[~mask] == 0).all()
+
+
+def _batch(n=4, c=3, old_shift=None, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(n, c, generator=g) - 0.1  # [n, C]
+    return logp, RolloutBatch(
+        input_ids=torch.zeros(n, c + 1, dtype=torch.long), attention_mask=torch.ones(n, c + 1),
+        completion_mask=torch.tensor([[1.0, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]])[:n],
+        sampler_logprobs=logp.clone(), rewards=torch.zeros(n), group_size=2, prompt_len=1,
+        advantages=torch.tensor([1.0, -1.0, 0.5, -0.5])[:n],
+        old_logprobs=None if old_shift is None else logp + old_shift,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("old_shift", [None, 0.3])
+def test_the_auto_loss_is_reinforce_on_policy_and_clipped_off_policy(quick_cfg, old_shift):
+    """`loss.name=auto` (the default) gives exactly the losses and gradients of the loss it stands for."""
+    s = check_config(quick_cfg()).loss
+    assert s.name == "auto" and {"auto", "clipped", "reinforce"} <= set(loss_names())
+    expected = "reinforce" if old_shift is None else "clipped"
+    results = []
+    for loss_fn in (token_loss_of("auto"), token_loss_of(expected)):
+        logp, batch = _batch(old_shift=old_shift)
+        logp.requires_grad_(True)
+        loss, _ = policy_loss(logp, batch, settings=s, num_tokens=9.0, num_seqs=4, token_loss=loss_fn)
+        loss.backward()
+        results.append((loss.detach(), logp.grad))
+    torch.testing.assert_close(results[0], results[1], rtol=0, atol=0)
+
+
+def test_clipped_on_policy_has_the_reinforce_gradient(quick_cfg):
+    """At ratio 1 the clipped surrogate's gradient is REINFORCE's (its value is not: -A, not -A log pi)."""
+    s = check_config(quick_cfg()).loss
+    grads = []
+    for name in ("reinforce", "clipped"):
+        logp, batch = _batch()
+        logp.requires_grad_(True)
+        policy_loss(logp, batch, settings=s, num_tokens=9.0, num_seqs=4, token_loss=token_loss_of(name))[
+            0
+        ].backward()
+        grads.append(logp.grad)
+    torch.testing.assert_close(grads[0], grads[1])
+    assert grads[0].abs().sum() > 0
+
+
+def test_an_engine_from_outside_src_trains_two_steps(tmp_path, model_cache):
+    """`python src/train.py rollout._target_=plugins.engines.GenerateEngine`: a third engine that gets
+    the weights only as streamed (name, tensor) pairs. Its log-probs match the trainer's at both steps,
+    so the second step sampled from the updated weights (a stale copy would show a gap)."""
+    calls = tmp_path / "calls.txt"
+    done = train_cli(
+        tmp_path, model_cache,
+        "rollout._target_=plugins.engines.GenerateEngine", "+rollout.options.batch_size=4",
+        LOORL_PLUGIN_CALLS=str(calls),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (
+        "rollout engine: generate (rollout._target_=plugins.engines.GenerateEngine)"
+        in done.stdout + done.stderr
+    )
+    seen = calls.read_text().split()
+    assert seen.count("sync") >= 4 and seen.count("generate") >= 4  # 2 rollouts and 2 validations at least
+    history = json.loads((tmp_path / "run" / "metrics.json").read_text())["history"]
+    gaps = [value for _, value in history["train/sampler_logratio_max"]]
+    assert len(gaps) == 2 and max(gaps) < 1e-3, gaps
+    assert [step for step, _ in history["val/accuracy"]] == [0, 2]
+
+
+def test_an_engine_checks_its_own_options_before_any_model_loads(quick_cfg):
+    with pytest.raises(ConfigError, match=r"rollout.options.beams is not an option of GenerateEngine"):
+        check_config(quick_cfg("rollout._target_=plugins.engines.GenerateEngine", "+rollout.options.beams=2"))
+
+
+def test_a_target_that_is_not_an_engine_is_refused(quick_cfg):
+    with pytest.raises(ConfigError, match="is not a RolloutEngine subclass"):
+        check_config(quick_cfg("rollout._target_=plugins.research.cispo_token_loss"))
