@@ -3,7 +3,8 @@
     python scripts/import_graph.py [--edges]
 
 An import is an edge between two loorl modules (`import loorl.x`, `from loorl.x import y`,
-`from loorl import x`, function-level imports included). "Upward" means the imported module sits in
+`from loorl import x`, function-level imports included; imports under `if TYPE_CHECKING:` are
+annotations only and are left out). "Upward" means the imported module sits in
 a higher layer than the importer, by `LAYERS` below (a module's layer is that of the longest
 prefix listed; the tree's own folders are the layers). A cycle is a strongly connected component
 of more than one module (Tarjan's algorithm, over the whole graph).
@@ -58,7 +59,16 @@ def imports(path: Path, modules: set[str]) -> set[str]:
     """The loorl modules `path` imports (a package import counts as its `__init__`)."""
     me = module_name(path)
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(n)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for n in ast.walk(block)
+    }
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         names = []
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]

@@ -19,7 +19,7 @@ from loorl.config import check_config
 from loorl.errors import ConfigError
 from loorl.parallel.distributed import rank_block
 from loorl.settings import RLSettings
-from loorl.training.module import minibatch_groups
+from loorl.training.module import minibatch_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 ONE_STEP = ROOT / "tests" / "dist_one_step.py"
@@ -93,7 +93,7 @@ def test_minibatches_take_whole_groups_from_every_rank(world):
         prompts_per_microbatch=1,
         epochs_per_rollout=2,
     )
-    batches = minibatch_groups(rl, seed=0, step=3, world_size=world)
+    batches = minibatch_prompts(rl, seed=0, step=3, world_size=world)
     per_pass = 8 // 4
     assert len(batches) == 2 * per_pass  # the same number of optimizer steps on every rank
     assert all(len(b) == 4 // world for b in batches)  # M/W of this rank's groups per mini-batch

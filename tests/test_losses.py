@@ -328,7 +328,7 @@ def _micro_batch(advantages, mask, *, sampler_offset=0.0, old=None):
         completion_mask=mask,
         sampler_logprobs=logp - sampler_offset,
         rewards=torch.zeros(n),
-        group_size=n,
+        samples_per_prompt=n,
         prompt_len=1,
         advantages=advantages,
         old_logprobs=old,

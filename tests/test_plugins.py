@@ -101,7 +101,7 @@ def _batch(n=4, c=3, old_shift=None, seed=0):
     return logp, RolloutBatch(
         input_ids=torch.zeros(n, c + 1, dtype=torch.long), attention_mask=torch.ones(n, c + 1),
         completion_mask=torch.tensor([[1.0, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]])[:n],
-        sampler_logprobs=logp.clone(), rewards=torch.zeros(n), group_size=2, prompt_len=1,
+        sampler_logprobs=logp.clone(), rewards=torch.zeros(n), samples_per_prompt=2, prompt_len=1,
         advantages=torch.tensor([1.0, -1.0, 0.5, -0.5])[:n],
         old_logprobs=None if old_shift is None else logp + old_shift,
     )  # fmt: skip

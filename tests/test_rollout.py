@@ -16,7 +16,7 @@ from loorl.models.tiny import ensure_tiny_model
 from loorl.rollout.batch import assemble
 from loorl.rollout.datamodule import sampler_seed
 from loorl.rollout.hf_engine import HFEngine
-from loorl.training.module import minibatch_groups
+from loorl.training.module import minibatch_prompts
 from loorl.types import Completion, Prompt, SamplingConfig
 
 
@@ -118,7 +118,7 @@ def test_assemble_layout_and_truncation_modes():
     prompts = [[3, 4, 5], [6]]
     r = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
     b = assemble(prompts, completions, pad_token_id=0, rewards=r, advantages=r)
-    assert b.prompt_len == 3 and b.completion_ids.shape == (4, 3) and b.group_size == 2
+    assert b.prompt_len == 3 and b.completion_ids.shape == (4, 3) and b.samples_per_prompt == 2
     assert b.input_ids[2].tolist() == [0, 0, 6, 1, 0, 0]  # left-padded prompt, right-padded completion
     assert b.attention_mask[2].tolist() == [0, 0, 1, 1, 0, 0]
     assert b.position_ids[2].tolist()[2:4] == [0, 1]
@@ -180,9 +180,9 @@ def test_minibatches_keep_groups_together(quick_config, tiny):
 
     seen = []
     k = cfg.rl.samples_per_prompt
-    for groups in minibatch_groups(module.rl, seed=cfg.seed, step=0):
+    for groups in minibatch_prompts(module.rl, seed=cfg.seed, step=0):
         mb = batch.select_groups(groups)
-        assert mb.group_size == k and mb.input_ids.shape[0] == 2 * k
+        assert mb.samples_per_prompt == k and mb.input_ids.shape[0] == 2 * k
         for g in range(mb.num_groups):
             rows = mb.input_ids[g * k : (g + 1) * k, : mb.prompt_len]
             assert (rows == rows[0]).all()  # one prompt per group
@@ -262,7 +262,7 @@ def test_a_minibatch_without_signal_still_runs_one_group():
     n, k = 8, 4
     batch = RolloutBatch(input_ids=torch.zeros(n, 3, dtype=torch.long), attention_mask=torch.ones(n, 3),
                          completion_mask=torch.ones(n, 1), sampler_logprobs=torch.zeros(n, 1),
-                         rewards=torch.ones(n), group_size=k, prompt_len=2,
+                         rewards=torch.ones(n), samples_per_prompt=k, prompt_len=2,
                          advantages=torch.zeros(n))  # fmt: skip
     assert batch.groups_with_signal() == [0]
 
@@ -298,7 +298,7 @@ def _single_row(batch, i):
     return replace(
         batch,
         **{k: v[i : i + 1] for k, v in values.items() if isinstance(v, torch.Tensor)},
-        group_size=1,
+        samples_per_prompt=1,
     )
 
 
@@ -425,7 +425,7 @@ def test_datamodule_collects_a_rollout_with_a_real_engine_and_no_learner(tiny):
     again = build_datamodule(cfg, counting, tok, path)
     again.engine.sync(model)
     assert [p.text for p in again.prompts_for_step(3)] == [p.text for p in dm.prompts_for_step(3)]
-    results = dm.evaluate(counting.eval_prompts()[:10])  # what validation_step receives
+    results = dm.heldout_results(counting.eval_prompts()[:10])  # what validation_step receives
     assert results["correct"].shape == (10,) and results["pass_k"].shape == (10,)
     custom = RewardComposer([WeightedReward("task", "task")], task=counting)
     assert custom(dm.prompts_for_step(0)[:2], [["1", "2"], ["3", "4"]]).correct.shape == (2, 2)

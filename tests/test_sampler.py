@@ -11,7 +11,7 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from loorl.algo.logprobs import token_entropy, token_logprobs, truncate_logits
+from loorl.algo.logprobs import filter_logits, token_entropy, token_logprobs
 from loorl.cli.train import train
 from loorl.models.load import load_causal_lm, load_tokenizer
 from loorl.models.tiny import ensure_tiny_model
@@ -111,7 +111,7 @@ def test_truncation_matches_transformers_warpers(top_k, top_p):
     g = torch.Generator().manual_seed(top_k * 10 + int(top_p * 10))
     logits = torch.randn(3, 5, 40, generator=g) * 2  # [n, T, V]
     logits[0, 0, :4] = 5.0  # ties at the top
-    got = truncate_logits(logits, top_k=top_k, top_p=top_p)  # [n, T, V]
+    got = filter_logits(logits, top_k=top_k, top_p=top_p)  # [n, T, V]
     want = _hf_reference_truncation(logits.reshape(-1, 40), top_k, top_p).view_as(logits)
     assert torch.equal(torch.isinf(got), torch.isinf(want))
     torch.testing.assert_close(got[~torch.isinf(got)], logits[~torch.isinf(got)])

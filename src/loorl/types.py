@@ -31,7 +31,7 @@ class SamplingConfig:
     top_k: int = 0  # 0 = off
 
     @property
-    def truncation(self) -> dict:
+    def score_args(self) -> dict:
         """The arguments of `logprobs.token_logprobs` that make it score this distribution."""
         return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
 
@@ -51,7 +51,7 @@ class Completion:
 
 @dataclass
 class RolloutBatch:
-    """N = num_groups * group_size sequences; row g*K + k is sample k of prompt g.
+    """N = num_groups * samples_per_prompt sequences; row g*K + k is sample k of prompt g.
 
     Each row is the prompt left-padded to P tokens followed by the completion right-padded to C.
     """
@@ -61,7 +61,7 @@ class RolloutBatch:
     completion_mask: torch.Tensor  # [N, C] 1.0 on completion tokens that enter the loss
     sampler_logprobs: torch.Tensor  # [N, C]
     rewards: torch.Tensor  # [N] task reward (NaN = unscorable)
-    group_size: int
+    samples_per_prompt: int
     prompt_len: int
     advantages: torch.Tensor | None = None  # [N] filled in by the learner (module.prepare)
     ref_logprobs: torch.Tensor | None = None  # [N, C] when a reference model is loaded
@@ -69,7 +69,7 @@ class RolloutBatch:
 
     @property
     def num_groups(self) -> int:
-        return self.input_ids.shape[0] // self.group_size
+        return self.input_ids.shape[0] // self.samples_per_prompt
 
     @property
     def completion_ids(self) -> torch.Tensor:
@@ -82,7 +82,7 @@ class RolloutBatch:
 
     def select_groups(self, groups: list[int]) -> RolloutBatch:
         """The rows of whole groups, in the given order."""
-        k = self.group_size
+        k = self.samples_per_prompt
         rows = torch.tensor([g * k + i for g in groups for i in range(k)], dtype=torch.long)  # [n*K]
         values = {}
         for f in fields(self):
@@ -95,7 +95,7 @@ class RolloutBatch:
         samples rewarded alike, under a group baseline) adds exactly nothing to the policy gradient.
         At least one group is returned, so that a pass still runs (and a data-parallel all-reduce
         still meets its peers)."""
-        nonzero = (self.advantages != 0).view(self.num_groups, self.group_size).any(-1)  # [G]
+        nonzero = (self.advantages != 0).view(self.num_groups, self.samples_per_prompt).any(-1)  # [G]
         groups = nonzero.nonzero().flatten().tolist()
         return groups or [0]
 

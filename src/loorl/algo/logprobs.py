@@ -26,7 +26,7 @@ def _upcast(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def truncate_logits(
+def filter_logits(
     scaled: torch.Tensor, *, top_k: int = 0, top_p: float = 1.0, keep: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Temperature-scaled logits [n, T, V] with the entries the sampler never draws set to -inf.
@@ -63,7 +63,7 @@ def _sampler_logits(
     scaled = _upcast(logits)  # [n, T, V]
     if temperature != 1.0:
         scaled = scaled / temperature  # [n, T, V]
-    return truncate_logits(scaled, top_k=top_k, top_p=top_p, keep=keep)  # [n, T, V]
+    return filter_logits(scaled, top_k=top_k, top_p=top_p, keep=keep)  # [n, T, V]
 
 
 def token_logprobs(
@@ -78,7 +78,7 @@ def token_logprobs(
     """log pi(token) [N, T] under the sampler's distribution, in float32 (or float64).
 
     That distribution is softmax(logits / temperature) restricted to the top-k / top-p set (see
-    `truncate_logits`): the temperature and truncation must be the sampler's, or the log-probs are
+    `filter_logits`): the temperature and truncation must be the sampler's, or the log-probs are
     of a different policy (biased importance weights, KL and mismatch metrics).
     Computed as gather - logsumexp instead of a full log_softmax: the latter keeps another
     [N, T, V] tensor alive for backward, the memory peak with 150k-entry vocabularies.
@@ -148,7 +148,7 @@ def can_share_prompt(model, batch: RolloutBatch) -> bool:
     """Groups of more than one row, a prompt to share, and a model whose forward keeps its key/value
     cache (transformers turns the cache off under gradient checkpointing in training mode)."""
     checkpointing = getattr(model, "is_gradient_checkpointing", False) and model.training
-    return batch.group_size > 1 and batch.prompt_len > 0 and not checkpointing
+    return batch.samples_per_prompt > 1 and batch.prompt_len > 0 and not checkpointing
 
 
 def shared_prompt_logits(model, batch: RolloutBatch) -> torch.Tensor:
@@ -164,7 +164,7 @@ def shared_prompt_logits(model, batch: RolloutBatch) -> torch.Tensor:
     """
     from transformers import DynamicCache
 
-    k, p_len = batch.group_size, batch.prompt_len
+    k, p_len = batch.samples_per_prompt, batch.prompt_len
     positions = batch.position_ids  # [N, P + C]
     cache = DynamicCache(config=model.config)
     prompt = model(
@@ -207,7 +207,7 @@ def completion_logprobs(
     parts = []
     for sub in batch.group_chunks(groups_per_pass):
         logits = completion_logits(model, sub, share_prompt=share_prompt)  # [n, C, V]
-        parts.append(token_logprobs(logits, sub.completion_ids, **sampling.truncation))  # [n, C]
+        parts.append(token_logprobs(logits, sub.completion_ids, **sampling.score_args))  # [n, C]
         del logits
     return torch.cat(parts)  # [N, C]
 

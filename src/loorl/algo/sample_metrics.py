@@ -1,7 +1,7 @@
 """Held-out metrics of sampled completions: unbiased pass@k and majority-vote maj@k, per prompt.
 
 Pure functions over correctness tensors and extracted answers; the validation loop and
-`src/eval.py` both call them through `RolloutDataModule.evaluate`.
+`src/eval.py` both call them through `RolloutDataModule.heldout_results`.
 """
 
 from __future__ import annotations

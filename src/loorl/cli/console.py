@@ -14,7 +14,7 @@ import warnings
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_only
 
-from loorl.training.callbacks import validated_step
+from loorl.training.callbacks import rl_steps_done
 
 log = logging.getLogger("loorl")
 
@@ -89,7 +89,7 @@ class ProgressLines(L.Callback):
         if trainer.sanity_checking:
             return
         m = trainer.callback_metrics
-        step = validated_step(trainer)
+        step = rl_steps_done(trainer)
         parts = [f"step {step}/{self.total_steps}"]
         for key in ("rollout/reward", "val/accuracy", "val/pass_at_k"):
             if key in m and (key != "rollout/reward" or step > 0):

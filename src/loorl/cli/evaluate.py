@@ -3,7 +3,7 @@
 `src/eval.py policy=PATH` composes `conf/eval.yaml` (the training config plus an `eval` section).
 The policy is an exported HF folder (`<run>/policy`: loaded as the model) or a loorl checkpoint
 (`<run>/checkpoints/last.ckpt`: its weights over the configured base model, whose identity the
-checkpoint must share). Lightning's `validate` then runs `RolloutDataModule.evaluate` over the
+checkpoint must share). Lightning's `validate` then runs `RolloutDataModule.heldout_results` over the
 prompts (greedy pass@1 and reward; pass@k and maj@k from n samples), and the results are written
 as `results.json`, `results.md` and `samples.csv` in the output folder.
 """

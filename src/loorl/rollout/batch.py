@@ -36,6 +36,6 @@ def assemble(
         sampler_logprobs=logprobs,
         rewards=rewards.reshape(-1).float(),
         advantages=None if advantages is None else advantages.reshape(-1).float(),
-        group_size=k,
+        samples_per_prompt=k,
         prompt_len=prompts.shape[1],
     )

@@ -3,7 +3,7 @@
 It draws the step's prompts, samples K completions per prompt from the rollout engine, grades
 them (rewards and correctness from one verifier pass) and assembles the batch; the learner
 (`PolicyGradientModule`) adds reference log-probs, the KL penalty and the advantages. It reads
-nothing of the module: the engine follows the policy through `callbacks.EngineSync`.
+nothing of the module: the engine follows the policy through `rollout.sync.EngineSync`.
 
 The train loader yields one `Rollout` per epoch (`reload_dataloaders_every_n_epochs=1`); the
 validation loader yields greedy correctness and reward, sampled pass@k and maj@k per batch of
@@ -131,7 +131,7 @@ class RolloutDataModule(L.LightningDataModule):
             )
         return ids
 
-    def sampling_seed(self, *phase: str | int) -> int:
+    def sampler_seed(self, *phase: str | int) -> int:
         return sampler_seed(self.seed, *phase, rank=rank_and_world()[0])
 
     def prompts_for_step(self, step: int) -> list[Prompt]:
@@ -161,7 +161,7 @@ class RolloutDataModule(L.LightningDataModule):
         # learner's MeanMetric (sums and counts over ranks)
         self.encode_prompts(self.eval_prompts)  # fail early on over-long prompts
 
-    def decode(self, groups: list[list[Completion]]) -> list[list[str]]:
+    def detokenize(self, groups: list[list[Completion]]) -> list[list[str]]:
         """Completion texts [B][K], without the end-of-sequence token that ended them."""
         return [[self.tokenizer.decode(c.text_ids, skip_special_tokens=True) for c in g] for g in groups]
 
@@ -169,7 +169,7 @@ class RolloutDataModule(L.LightningDataModule):
     @torch.no_grad()
     def collect(self, step: int) -> Rollout:
         """Step `step`'s prompts, K completions each from the engine's current weights, their grades."""
-        return self.rollout(self.prompts_for_step(step), seed=self.sampling_seed("rollout", step), step=step)
+        return self.rollout(self.prompts_for_step(step), seed=self.sampler_seed("rollout", step), step=step)
 
     @torch.no_grad()
     def rollout(self, prompts: list[Prompt], *, seed: int, step: int = 0) -> Rollout:
@@ -181,7 +181,7 @@ class RolloutDataModule(L.LightningDataModule):
         gen_seconds = clock.seconds["gen"]
         self.engine.sleep()
         with clock.phase("grade"):
-            graded = self.rewards(prompts, self.decode(groups))  # [B, K] rewards and correctness
+            graded = self.rewards(prompts, self.detokenize(groups))  # [B, K] rewards and correctness
         rewards = graded.rewards  # [B, K]
         finished = torch.tensor([[c.finished for c in g] for g in groups])  # [B, K]
         if self.settings.truncated == "zero":
@@ -241,13 +241,13 @@ class RolloutDataModule(L.LightningDataModule):
         )
 
     @torch.no_grad()
-    def evaluate(self, prompts: list[Prompt]) -> dict:
+    def heldout_results(self, prompts: list[Prompt]) -> dict:
         """Held-out metrics of a batch of prompts, per prompt: greedy correctness `correct` [n] and
         reward `reward` [n] (NaN: unscorable), the greedy `completions`; with `pass_k` = k > 0 also
         the unbiased pass@k and maj@k [n] of `eval_samples` (n >= k) sampled completions each.
         The validation loop and `src/eval.py` both run this."""
         ids = self.encode_prompts(prompts)
-        greedy = self.decode(self.engine.generate(ids, n=1, greedy=True))  # [n][1]
+        greedy = self.detokenize(self.engine.generate(ids, n=1, greedy=True))  # [n][1]
         graded = self.rewards(prompts, greedy)  # [n, 1]
         results = {
             "prompts": [p.text for p in prompts],
@@ -262,8 +262,8 @@ class RolloutDataModule(L.LightningDataModule):
         }
         if self.pass_k > 0:
             step = self.trainer.global_step if self.trainer is not None else 0
-            seed = self.sampling_seed("validation", step, prompts[0].text)  # this batch's own stream
-            sampled = self.decode(self.engine.generate(ids, n=self.eval_samples, seed=seed))  # [n][N]
+            seed = self.sampler_seed("validation", step, prompts[0].text)  # this batch's own stream
+            sampled = self.detokenize(self.engine.generate(ids, n=self.eval_samples, seed=seed))  # [n][N]
             correct = correctness(self.task, prompts, sampled)  # [n, N] NaN: unscorable
             scorable = ~correct.isnan()  # [n, N]
             results["pass_k"] = pass_at_k(

@@ -10,7 +10,7 @@ variate for every vocabulary entry of every row at every step (SmolLM2, 32 rows 
 of a 3.3 s rollout); inverse-CDF sampling from one uniform per row is the same distribution at a
 fraction of the cost; (2) `generate` fills every setting left unset from the model's
 `generation_config.json` (an instruct model's repetition penalty, temperature, top-p), a different
-distribution from the one the trainer scores; here the sampler is `logprobs.truncate_logits`, the
+distribution from the one the trainer scores; here the sampler is `logprobs.filter_logits`, the
 very function the trainer scores with; (3) the n samples of a prompt share one prefill.
 """
 
@@ -147,7 +147,7 @@ class HFEngine(RolloutEngine):
                     mask.to(device),
                     sampling=None if greedy else self.sampling,
                     max_new_tokens=self.sampling.max_new_tokens,
-                    group_size=n if self.share_prompt else 1,
+                    prefill_group=n if self.share_prompt else 1,
                     eos_token_ids=self.eos_token_ids,
                     pad_token_id=self.pad_token_id,
                     generator=generator,
@@ -196,7 +196,7 @@ def decode(
     *,
     sampling: SamplingConfig | None,
     max_new_tokens: int,
-    group_size: int,
+    prefill_group: int,
     eos_token_ids: list[int],
     pad_token_id: int,
     generator: torch.Generator | None = None,
@@ -205,17 +205,17 @@ def decode(
 
     `sampling` None: greedy (argmax, log-probs 0). Otherwise each token is drawn from the sampler's
     distribution, softmax(logits / temperature) truncated to top-k / top-p by the trainer's own
-    `truncate_logits`, and its log-prob is under that distribution. Rows that ended (any EOS id)
-    continue with padding until every row has ended or the limit is reached. `group_size` > 1: rows
+    `filter_logits`, and its log-prob is under that distribution. Rows that ended (any EOS id)
+    continue with padding until every row has ended or the limit is reached. `prefill_group` > 1: rows
     come in groups of that many copies of a prompt, which share one prefill (`shared_prefill`).
     """
     from transformers import DynamicCache
 
-    from loorl.algo.logprobs import truncate_logits
+    from loorl.algo.logprobs import filter_logits
 
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [b, P] left padding does not shift them
-    if group_size > 1 and ids.shape[1] > 1:
-        cache = shared_prefill(model, ids[::group_size], mask[::group_size], group_size)
+    if prefill_group > 1 and ids.shape[1] > 1:
+        cache = shared_prefill(model, ids[::prefill_group], mask[::prefill_group], prefill_group)
         fresh = {"input_ids": ids[:, -1:], "position_ids": positions[:, -1:]}  # the last prompt token
     else:
         cache = DynamicCache(config=model.config)
@@ -232,7 +232,7 @@ def decode(
             logp = torch.zeros(token.shape, device=ids.device)  # [b]
         else:
             scaled = logits.float() / sampling.temperature  # [b, V]
-            scaled = truncate_logits(scaled, top_k=sampling.top_k, top_p=sampling.top_p)  # [b, V]
+            scaled = filter_logits(scaled, top_k=sampling.top_k, top_p=sampling.top_p)  # [b, V]
             all_logp = scaled.log_softmax(-1)  # [b, V]
             token = sample_tokens(all_logp, generator)  # [b]
             logp = all_logp.gather(-1, token[:, None]).squeeze(-1)  # [b]

@@ -27,14 +27,13 @@ class ArithmeticTask(Task):
         eval_size: int = 200,
         eval_seed: int = 1234,
         exclude_eval_from_train: bool = False,
-        max_new_tokens: int = 5,
+        max_new_tokens: int = 5,  # the default of rollout.max_new_tokens; unused here
         reward_offset: float = 0.0,
     ) -> None:
         if max_operand < min_operand:
             raise ValueError("task.max_operand must be >= task.min_operand")
         self.name, self.reward_offset = name, reward_offset
         self.min_operand, self.max_operand = min_operand, max_operand
-        self.max_new_tokens = max_new_tokens
         pairs = [
             (a, b) for a in range(min_operand, max_operand + 1) for b in range(min_operand, max_operand + 1)
         ]
@@ -88,7 +87,7 @@ class ChatArithmeticTask(ArithmeticTask):
         eval_size: int = 200,
         eval_seed: int = 1234,
         exclude_eval_from_train: bool = True,
-        max_new_tokens: int = 32,
+        max_new_tokens: int = 32,  # the default of rollout.max_new_tokens; unused here
         question: str = "What is {a} + {b}? Answer with just the number.",
         chat_template: bool | str = "auto",
         system_prompt: str | None = None,
@@ -109,7 +108,6 @@ class ChatArithmeticTask(ArithmeticTask):
             eval_size=eval_size,
             eval_seed=eval_seed,
             exclude_eval_from_train=exclude_eval_from_train,
-            max_new_tokens=max_new_tokens,
         )
         self.question, self.answer_mode = question, answer_mode
         self.chat_template, self.system_prompt = chat_template, system_prompt

@@ -14,7 +14,6 @@ class Task(ABC):
     """A prompt distribution with a reward. Subclasses are instantiated from `conf/task/*.yaml`."""
 
     name: str = "task"
-    max_new_tokens: int = 16  # the task's natural completion length; `rollout.max_new_tokens` defaults to it
 
     @abstractmethod
     def train_prompts(self, n: int, *, rng: np.random.Generator) -> list[Prompt]:

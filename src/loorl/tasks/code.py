@@ -152,7 +152,7 @@ class CodeTask(Task):
         timeout_s: float = 10.0,
         memory_mb: int = 1024,
         workers: int = 2,
-        max_new_tokens: int = 384,
+        max_new_tokens: int = 384,  # the default of rollout.max_new_tokens; unused here
         cache_dir: str = "~/.cache/loorl",
         sandbox: dict | None = None,
     ) -> None:
@@ -164,7 +164,7 @@ class CodeTask(Task):
         data = dict(data or {})
         self.name, self.style, self.instruction = name, style, instruction
         self.chat_template, self.system_prompt = chat_template, system_prompt
-        self.partial_credit, self.max_new_tokens = partial_credit, max_new_tokens
+        self.partial_credit = partial_credit
         self.limits = {"timeout_s": timeout_s, "memory_mb": memory_mb}
         self.workers = workers
         self.problems = load_problems(data.get("path"), cache_dir)

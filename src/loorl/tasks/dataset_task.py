@@ -37,7 +37,7 @@ class DatasetTask(Task):
         answer_mode: str = "strict",
         format_score: float = 0.0,
         on_long_prompt: str = "filter",
-        max_new_tokens: int = 512,
+        max_new_tokens: int = 512,  # the default of rollout.max_new_tokens; unused here
     ) -> None:
         if verifier not in VERIFIERS:
             raise ConfigError(f"task.verifier={verifier!r} is not one of: {', '.join(VERIFIERS)}")
@@ -46,7 +46,7 @@ class DatasetTask(Task):
             raise ConfigError(
                 f"data.path is not set: point it at the {name} data (a parquet/jsonl file or folder)"
             )
-        self.name, self.verifier, self.max_new_tokens = name, verifier, max_new_tokens
+        self.name, self.verifier = name, verifier
         self.suffix, self.chat_template, self.system_prompt = suffix, chat_template, system_prompt
         self.answer_mode, self.format_score, self.on_long_prompt = answer_mode, format_score, on_long_prompt
         common = {"layout": data.get("layout", "auto"), "question_key": data.get("question_key"),

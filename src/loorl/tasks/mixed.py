@@ -45,11 +45,11 @@ class MixedTask(Task):
         chat_template: bool | str = "auto",
         system_prompt: str | None = None,
         on_long_prompt: str = "filter",
-        max_new_tokens: int = 512,
+        max_new_tokens: int = 512,  # the default of rollout.max_new_tokens; unused here
     ) -> None:
         if not sources:
             raise ConfigError("data.sources is empty: name at least one source {verifier, path, weight}")
-        self.name, self.max_new_tokens = name, max_new_tokens
+        self.name = name
         self.sources: dict[str, DatasetTask] = {}
         self.weights: list[float] = []
         for source, spec in sources.items():
@@ -74,7 +74,6 @@ class MixedTask(Task):
                 answer_mode=spec["answer_mode"],
                 format_score=spec["format_score"],
                 on_long_prompt=on_long_prompt,
-                max_new_tokens=max_new_tokens,
             )
             self.weights.append(float(spec["weight"]))
 

@@ -28,7 +28,7 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def validated_step(trainer) -> int:
+def rl_steps_done(trainer) -> int:
     """The RL step a validation measures: RL steps done so far (0 before training)."""
     return trainer.current_epoch + 1 if trainer.state.fn == "fit" else trainer.global_step
 
@@ -66,7 +66,7 @@ class RunSummary(L.Callback):
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
         if trainer.sanity_checking or "val/accuracy" not in trainer.callback_metrics:
             return
-        step = validated_step(trainer)
+        step = rl_steps_done(trainer)
         for key, value in trainer.callback_metrics.items():
             if key.startswith("val/"):
                 self._record(key, step, value)
@@ -213,7 +213,7 @@ class SampleLog(L.Callback):
     def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0):
         if trainer.sanity_checking or (0 <= self.rows <= len(self.pending)):
             return
-        step = validated_step(trainer)
+        step = rl_steps_done(trainer)
         room = len(batch["prompts"]) if self.rows < 0 else self.rows - len(self.pending)
         for i in range(min(room, len(batch["prompts"]))):
             reward = float(batch["reward"][i])

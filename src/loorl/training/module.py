@@ -7,7 +7,7 @@ optimizer step per mini-batch of whole groups, each split into micro-batches for
 micro-batch's loss is normalised by the token and sequence counts of its whole mini-batch, so the
 gradient does not depend on the micro-batch size (it would with Lightning's automatic
 accumulation, which averages micro-batch means). The engine follows the policy through
-`callbacks.EngineSync`.
+`rollout.sync.EngineSync`.
 
 Precision: `model.dtype` is the compute dtype, `model.master_dtype` that of the trainable weights
 and the optimizer state (float32 unless the user opts out). bfloat16 compute over float32 weights
@@ -59,7 +59,7 @@ VALIDATION_METRICS = {"correct": "accuracy", "reward": "reward", "pass_k": "pass
 COUNTED_METRICS = {"unscorable": "unscorable"}  # summed over held-out prompts (and ranks), not averaged
 
 
-def minibatch_groups(rl: RLSettings, *, seed: int, step: int, world_size: int = 1) -> list[list[int]]:
+def minibatch_prompts(rl: RLSettings, *, seed: int, step: int, world_size: int = 1) -> list[list[int]]:
     """This rank's groups in each optimizer step of RL step `step`, as indices into its own B/W groups.
 
     Every group once per pass, shuffled per pass by a generator seeded with (seed, step), so a
@@ -218,7 +218,7 @@ class PolicyGradientModule(L.LightningModule):
                 shaped = shaped - self.kl_controller.value * kl_seq  # [W*N]
             self.kl_controller.update(metrics["rollout/kl"], n_steps=len(kl_seq))
             batch = replace(batch, ref_logprobs=ref)
-        k = batch.group_size
+        k = batch.samples_per_prompt
         lengths = gather_rows(batch.completion_mask.sum(-1))  # [W*N] tokens in the loss
         inputs = AdvantageInput(
             rewards=shaped.view(-1, k),  # [W*B, K]
@@ -234,14 +234,14 @@ class PolicyGradientModule(L.LightningModule):
         """One RL iteration's updates: one optimizer step per mini-batch of whole groups.
 
         With W data-parallel ranks, `rollout` holds this rank's B/W groups; each global mini-batch
-        is M/W groups from every rank (`minibatch_groups`), normalised by the global counts."""
+        is M/W groups from every rank (`minibatch_prompts`), normalised by the global counts."""
         clock = self.clock
         with clock.phase("prepare"):
             batch, rollout_metrics = self.prepare(rollout.batch)
         t0 = time.perf_counter()
         opt, stats = self.optimizers(), LossStats()
         world = rank_and_world()[1]
-        for groups in minibatch_groups(self.rl, seed=self.seed, step=rollout.step, world_size=world):
+        for groups in minibatch_prompts(self.rl, seed=self.seed, step=rollout.step, world_size=world):
             stats += self.accumulate_gradients(batch.select_groups(groups), self.manual_backward)
             lr = opt.param_groups[0]["lr"]  # the rate this step uses
             with clock.phase("optimizer"):
@@ -283,7 +283,7 @@ class PolicyGradientModule(L.LightningModule):
         counts = {"num_tokens": max(counts[0], 1.0), "num_seqs": int(counts[1])}
         world = rank_and_world()[1]
         kl_coef = self.kl_controller.value if self.reference is not None and not self.kl.in_reward else None
-        truncation = self.sampling.truncation  # the sampler's temperature, top-k, top-p
+        truncation = self.sampling.score_args  # the sampler's temperature, top-k, top-p
         skip = self.rl.skip_zero_advantage and kl_coef is None  # a KL loss term has a gradient on every row
         stats = LossStats()
         for sub in batch.group_chunks(self.rl.prompts_per_microbatch):
@@ -335,9 +335,10 @@ class PolicyGradientModule(L.LightningModule):
 
     # ---- held-out evaluation -------------------------------------------------------------------
     def validation_step(self, results: dict, batch_idx: int) -> None:
-        """`results`: the DataModule's per-prompt metrics [n] (`RolloutDataModule.evaluate`); pass@k and
-        maj@k are None when not measured. Each is averaged over all held-out prompts (and ranks), NaN
-        entries (unscorable samples, prompts a metric does not apply to) left out; `unscorable` is summed."""
+        """`results`: the DataModule's per-prompt metrics [n] (`RolloutDataModule.heldout_results`);
+        pass@k and maj@k are None when not measured. Each is averaged over all held-out prompts (and
+        ranks), NaN entries (unscorable samples, prompts a metric does not apply to) left out;
+        `unscorable` is summed."""
         n = len(results["correct"])
         for key, name in VALIDATION_METRICS.items():
             if results.get(key) is None:
