@@ -375,7 +375,7 @@ def test_kl_in_the_reward_uses_the_trainer_logprobs(quick_config, tiny, exact):
     _, task, path, tok, _ = tiny
     module = build_module(cfg, path)
     module.configure_model()
-    module.sampler_logprobs_exact = exact
+    module.sampler_logprobs_match_trainer = exact
     dm = build_datamodule(cfg, task, tok, path)
     dm.engine = _OffsetSampler(dm.engine.sampling, eos_token_ids=dm.engine.eos_token_ids, pad_token_id=0)
     dm.setup("fit")

@@ -7,7 +7,7 @@ nothing of the module: the engine follows the policy through `rollout.sync.Engin
 
 The train loader yields one `Rollout` per epoch (`reload_dataloaders_every_n_epochs=1`); the
 validation loader yields greedy correctness and reward, sampled pass@k and maj@k per batch of
-held-out prompts (`evaluate`).
+held-out prompts (`heldout_results`).
 Both generate lazily, as the loop fetches the batch: after the epoch's `on_*_start` hooks have
 synced the engine.
 """
@@ -236,7 +236,7 @@ class RolloutDataModule(L.LightningDataModule):
         return DataLoader(
             self.eval_prompts,
             batch_size=self.settings.eval_batch_size,
-            collate_fn=self._under_precision(self.evaluate),
+            collate_fn=self._under_precision(self.heldout_results),
             generator=_own_generator(),
         )
 
