@@ -169,3 +169,10 @@ def test_an_engine_checks_its_own_options_before_any_model_loads(quick_cfg):
 def test_a_target_that_is_not_an_engine_is_refused(quick_cfg):
     with pytest.raises(ConfigError, match="is not a RolloutEngine subclass"):
         check_config(quick_cfg("rollout._target_=plugins.research.cispo_token_loss"))
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_a_built_in_engine_refuses_plug_in_options(quick_cfg, engine):
+    """`rollout.options` belongs to a `_target_` engine: a built-in one says so instead of ignoring it."""
+    with pytest.raises(ConfigError, match=rf"rollout.options.beams is set, but the {engine} engine takes no"):
+        check_config(quick_cfg(f"rollout={engine}", "+rollout.options.beams=2"))

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from loorl.errors import ConfigError
 from loorl.parallel.fsdp import full_tensors
 from loorl.types import Completion, SamplingConfig
 
@@ -76,6 +77,16 @@ class RolloutEngine(ABC):
     def check(cls, ctx: EngineContext) -> None:
         """Raise a one-line ConfigError for settings this engine cannot run with (default: none)."""
         return None
+
+    @classmethod
+    def refuse_options(cls, ctx: EngineContext, own: str) -> None:
+        """For an engine with settings of its own (`own` names them): `rollout.options` would be ignored."""
+        if ctx.rollout.options:
+            key = sorted(ctx.rollout.options)[0]
+            raise ConfigError(
+                f"rollout.options.{key} is set, but the {cls.name} engine takes no rollout.options (they "
+                f"are a rollout._target_ engine's): its settings are {own}"
+            )
 
     @classmethod
     def logprobs_match_trainer(cls, model_dtype: str) -> bool:

@@ -54,6 +54,7 @@ class HFEngine(RolloutEngine):
 
     @classmethod
     def check(cls, ctx: EngineContext) -> None:
+        cls.refuse_options(ctx, "rollout.hf_attention and rollout.batch_size")
         choice = ctx.rollout.hf_attention
         if choice not in ATTENTION_CHOICES:
             raise ConfigError(

@@ -67,6 +67,7 @@ class VLLMEngine(RolloutEngine):
     def check(cls, ctx: EngineContext) -> None:
         """Its settings; vllm installed; one engine per rank under DDP/FSDP; on CPU, vLLM's attention
         kernels must take the model's head size."""
+        cls.refuse_options(ctx, "rollout.vllm.*")
         v = cls.settings(ctx.rollout)
         if not vllm_installed():
             raise ConfigError(
