@@ -75,7 +75,7 @@ def test_unknown_loss_name_lists_the_registered_ones(quick_cfg):
 
 
 def test_a_target_estimator_keeps_its_minimum_group_size(quick_cfg):
-    """The plug-in registered itself with min_group_size=2: K=1 is refused as for RLOO."""
+    """The plug-in declares min_group_size=2: K=1 is refused as for RLOO."""
     with pytest.raises(ConfigError, match="too small for estimator=length_normalised_rloo"):
         check_config(quick_cfg("estimator._target_=plugins.research.length_normalised_rloo",
                                "rl.samples_per_prompt=1"))  # fmt: skip

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from loorl.algo.estimators import AdvantageInput, register
+from loorl.algo.estimators import AdvantageInput
 from loorl.algo.masked import masked_mean
 
 
@@ -21,7 +21,6 @@ def _record(what: str) -> None:
             f.write(what + "\n")
 
 
-@register("length_rloo", min_group_size=2)  # also reachable as estimator.name=length_rloo once imported
 def length_normalised_rloo(inp: AdvantageInput, *, whiten: bool = False, eps: float = 1e-6) -> torch.Tensor:
     """RLOO on reward per token: r_i / L_i minus the mean of its scorable siblings' r_j / L_j.
 
@@ -37,6 +36,11 @@ def length_normalised_rloo(inp: AdvantageInput, *, whiten: bool = False, eps: fl
     if whiten:
         adv = (adv - masked_mean(adv, valid)) / (adv[valid].std() + eps)
     return torch.where(valid & (n >= 2), adv, 0.0)
+
+
+# The minimum K that `check_config` enforces for a `_target_` estimator (what `register(name,
+# min_group_size=2)` would set; not registering keeps loorl's registry as it was, whoever imports this)
+length_normalised_rloo.min_group_size = 2
 
 
 def cispo_token_loss(logprobs: torch.Tensor, batch, settings) -> tuple[torch.Tensor, torch.Tensor]:
