@@ -128,7 +128,7 @@ def check_config(cfg: DictConfig) -> Settings:
         )
     check_optimizer(cfg.optimizer)
     check_rewards(cfg)
-    check_model_reachable(cfg.model)
+    check_model_reachable(s.model)
     check_parallel(cfg, s)
     engine, _ = engine_class(s.rollout)  # the engine checks its own settings
     context = {"model_dtype": s.model.dtype, "model": s.model, "model_path": pretrained_path(s.model)}

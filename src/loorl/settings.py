@@ -16,8 +16,13 @@ from pydantic import ConfigDict, Field, ValidationError
 from pydantic.dataclasses import dataclass
 
 from loorl.algo import estimators
-from loorl.algo.kl import KL_ESTIMATORS, KLEstimator, check_kl_placement
-from loorl.algo.objectives import AGGREGATIONS, RATIO_LEVELS, Aggregation, RatioLevel, loss_names
+from loorl.algo.kl import KL_ESTIMATORS as KL_ESTIMATORS
+from loorl.algo.kl import KLEstimator, check_kl_placement
+from loorl.algo.objectives import (
+    AGGREGATIONS as AGGREGATIONS,  # re-exported: every setting's choices in one place
+)
+from loorl.algo.objectives import RATIO_LEVELS as RATIO_LEVELS
+from loorl.algo.objectives import Aggregation, RatioLevel, token_loss_of
 from loorl.errors import ConfigError
 from loorl.types import SamplingConfig
 from loorl.util.plugins import import_object
@@ -34,7 +39,6 @@ Dtype = Literal["float32", "bfloat16", "float16"]
 TruncatedMode = Literal["score", "zero", "mask"]
 Engine = Literal["hf", "vllm", "auto"]
 DTYPES, TRUNCATED_MODES, ENGINES = get_args(Dtype), get_args(TruncatedMode), get_args(Engine)
-__all__ = ["AGGREGATIONS", "KL_ESTIMATORS", "RATIO_LEVELS"]  # the algorithm layer's choices, listed here too
 
 SCHEMA = ConfigDict(extra="forbid")  # an unknown key is a typo, not a setting
 T = TypeVar("T")
@@ -157,13 +161,7 @@ class LossSettings(Section):
     max_len: PositiveInt = 16  # seq-mean-token-sum-norm's constant (the generation limit)
 
     def __post_init__(self) -> None:
-        if self.target is not None:
-            import_object(self.target, "loss._target_")
-        elif self.name not in loss_names():
-            raise ConfigError(
-                f"unknown policy loss '{self.name}' (loss.name); choose one of: {', '.join(loss_names())} "
-                "(or loss._target_=<module.function> for your own)"
-            )
+        token_loss_of(self.name, self.target)  # an unknown name or a bad `_target_`: one line now
         if self.ratio_level == "sequence" and self.agg != "seq-mean-token-mean":
             raise ConfigError(
                 f"loss.ratio_level=sequence (GSPO) with loss.agg={self.agg}: GSPO's sequence ratio averages "

@@ -107,7 +107,8 @@ def token_loss_of(name: str, target: str | None = None) -> TokenLoss:
         return import_object(target, "loss._target_")
     if name not in _TOKEN_LOSSES:
         raise ConfigError(
-            f"unknown policy loss '{name}' (loss.name); choose one of: {', '.join(loss_names())}"
+            f"unknown policy loss '{name}' (loss.name); choose one of: {', '.join(loss_names())} "
+            "(or loss._target_=<module.function> for your own)"
         )
     return _TOKEN_LOSSES[name]
 

@@ -172,8 +172,6 @@ def build_composer(reward: RewardSettings, task: Task) -> RewardComposer:
     """From the `reward` settings: `fn: task` is the task's verifier, a mapping is instantiated by Hydra."""
     from hydra.utils import instantiate
 
-    if not isinstance(reward, RewardSettings):  # the raw `reward` section (notebooks, older scripts)
-        reward = RewardSettings.from_cfg(reward, "reward")
     functions = []
     for name, spec in reward.functions.items():
         fn = TASK_VERIFIER if spec.fn == TASK_VERIFIER else instantiate(spec.fn)

@@ -1,8 +1,5 @@
 """Which engine class a run uses, and building it: `rollout._target_` (any RolloutEngine subclass) or
-the built-in that `rollout.engine` names (hf | vllm | auto).
-
-`vllm_installed`, `cuda_available` and `VLLM_INSTALL_HINT` are imported here for `resolve_engine`.
-"""
+the built-in that `rollout.engine` names (hf | vllm | auto)."""
 
 from __future__ import annotations
 
@@ -16,8 +13,6 @@ from loorl.util.hardware import cuda_available
 from loorl.util.plugins import import_object
 
 log = logging.getLogger(__name__)
-__all__ = ["VLLM_INSTALL_HINT", "build_engine", "cuda_available", "engine_class", "resolve_engine"]
-__all__ += ["vllm_installed"]
 
 BUILT_IN_ENGINES = {  # rollout.engine -> class; any other engine is named by rollout._target_
     "hf": "loorl.rollout.hf_engine.HFEngine",

@@ -29,6 +29,8 @@ from loorl.util.autocast import cached_autocast
 from loorl.util.hardware import cuda_available
 from loorl.util.padding import pad
 
+log = logging.getLogger(__name__)
+
 
 @contextmanager
 def _attention(model, implementation: str | None):
@@ -43,8 +45,6 @@ def _attention(model, implementation: str | None):
     finally:
         model.set_attn_implementation(saved)
 
-
-log = logging.getLogger(__name__)
 
 ATTENTION_CHOICES = ("auto", "model", "eager", "sdpa")  # rollout.hf_attention
 

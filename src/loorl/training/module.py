@@ -207,7 +207,9 @@ class PolicyGradientModule(L.LightningModule):
         # The estimators see the whole step: every rank's rows, gathered in rank order (whitening and
         # the KL controller then match one process on all B groups); this rank keeps its own rows.
         rank, world = rank_and_world()
-        shaped, metrics = gather_rows(batch.rewards), {}  # [W*N] the reward the estimator sees
+        lengths = batch.completion_mask.sum(-1)  # [N] tokens in the loss
+        gathered = gather_rows(torch.stack([batch.rewards, lengths], dim=-1))  # [W*N, 2] one collective
+        shaped, lengths, metrics = gathered[:, 0], gathered[:, 1], {}  # [W*N] the reward the estimator sees
         if self.reference is not None:
             ref = self.reference.completion_logprobs(batch, device=self.device, **score)  # [N, C]
             logp = batch.sampler_logprobs if policy_logprobs is None else policy_logprobs  # [N, C]
@@ -219,7 +221,6 @@ class PolicyGradientModule(L.LightningModule):
             self.kl_controller.update(metrics["rollout/kl"], n_steps=len(kl_seq))
             batch = replace(batch, ref_logprobs=ref)
         k = batch.samples_per_prompt
-        lengths = gather_rows(batch.completion_mask.sum(-1))  # [W*N] tokens in the loss
         inputs = AdvantageInput(
             rewards=shaped.view(-1, k),  # [W*B, K]
             lengths=lengths.view(-1, k),  # [W*B, K]
