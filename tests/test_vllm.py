@@ -142,7 +142,7 @@ def test_seeded_sampling_of_long_prompts_runs_on_cpu(setup):
     chunked prefill split; on CPU the engine prefills whole prompts (rollout.vllm.chunked_prefill)."""
     cfg, task, tok, module, dm = setup
     engine = dm.engine
-    assert engine.llm_kwargs["enable_chunked_prefill"] is False  # the CPU default
+    assert engine.arguments()["enable_chunked_prefill"] is False  # the CPU default
     engine.sync(module.policy, version=0)
     long_prompts = [tok(f"{i}+{i}=" * 40, add_special_tokens=False).input_ids for i in range(10, 34)]
     assert 150 < min(map(len, long_prompts)) and max(map(len, long_prompts)) <= 256  # 24 x ~200 tokens

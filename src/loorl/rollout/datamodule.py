@@ -15,6 +15,7 @@ synced the engine.
 from __future__ import annotations
 
 import zlib
+from contextlib import AbstractContextManager, nullcontext
 
 import lightning as L
 import numpy as np
@@ -85,6 +86,15 @@ def sampler_seed(run_seed: int, *phase: str | int, rank: int = 0) -> int:
     samples and a resumed run draws the ones the interrupted run would have."""
     key = [run_seed, *(zlib.crc32(p.encode()) if isinstance(p, str) else p for p in phase), rank]
     return int(np.random.default_rng(key).integers(2**62))
+
+
+def engine_precision(engine: RolloutEngine, trainer) -> AbstractContextManager:
+    """The context `engine.generate` runs in: the trainer's precision plugin's (autocast under
+    bf16-mixed) for an engine that generates in the trainer's precision, else none. None for a
+    DataModule used without a trainer."""
+    if trainer is None or not engine.generates_in_trainer_precision:
+        return nullcontext()
+    return trainer.precision_plugin.forward_context()
 
 
 def _own_generator() -> torch.Generator:
@@ -177,7 +187,7 @@ class RolloutDataModule(L.LightningDataModule):
         prompt_ids = self.encode_prompts(prompts)
         clock = PhaseClock()
         with clock.phase("gen"):
-            groups = self.engine.generate(prompt_ids, n=self.rl.samples_per_prompt, seed=seed)
+            groups = self.generate(prompt_ids, n=self.rl.samples_per_prompt, seed=seed)
         gen_seconds = clock.seconds["gen"]
         self.engine.sleep()
         with clock.phase("grade"):
@@ -218,25 +228,21 @@ class RolloutDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         """One item: this epoch's rollout, collected when the loop fetches it."""
         step = self.trainer.current_epoch
-        collate = self._under_precision(self.collect)
-        return DataLoader([step], batch_size=None, collate_fn=collate, generator=_own_generator())
+        return DataLoader([step], batch_size=None, collate_fn=self.collect, generator=_own_generator())
 
-    def _under_precision(self, fn):
-        """`fn` under the precision plugin's autocast (bf16-mixed), so the sampler computes in
-        training_step's dtype."""
-
-        def run(item):
-            with self.trainer.precision_plugin.forward_context():
-                return fn(item)
-
-        return run
+    def generate(self, prompt_ids: list[list[int]], **kwargs) -> list[list[Completion]]:
+        """The engine's `generate`, inside the trainer's precision context (bf16-mixed: autocast) only
+        for an engine that asks for it (`generates_in_trainer_precision`: the HF engine, which samples
+        with the live policy in training_step's dtype). Grading and reward models run outside it."""
+        with engine_precision(self.engine, self.trainer):
+            return self.engine.generate(prompt_ids, **kwargs)
 
     # ---- held-out evaluation -------------------------------------------------------------------
     def val_dataloader(self) -> DataLoader:
         return DataLoader(
             self.eval_prompts,
             batch_size=self.settings.eval_batch_size,
-            collate_fn=self._under_precision(self.heldout_results),
+            collate_fn=self.heldout_results,
             generator=_own_generator(),
         )
 
@@ -247,7 +253,7 @@ class RolloutDataModule(L.LightningDataModule):
         the unbiased pass@k and maj@k [n] of `eval_samples` (n >= k) sampled completions each.
         The validation loop and `src/eval.py` both run this."""
         ids = self.encode_prompts(prompts)
-        greedy = self.detokenize(self.engine.generate(ids, n=1, greedy=True))  # [n][1]
+        greedy = self.detokenize(self.generate(ids, n=1, greedy=True))  # [n][1]
         graded = self.rewards(prompts, greedy)  # [n, 1]
         results = {
             "prompts": [p.text for p in prompts],
@@ -263,7 +269,7 @@ class RolloutDataModule(L.LightningDataModule):
         if self.pass_k > 0:
             step = self.trainer.global_step if self.trainer is not None else 0
             seed = self.sampler_seed("validation", step, prompts[0].text)  # this batch's own stream
-            sampled = self.detokenize(self.engine.generate(ids, n=self.eval_samples, seed=seed))  # [n][N]
+            sampled = self.detokenize(self.generate(ids, n=self.eval_samples, seed=seed))  # [n][N]
             correct = correctness(self.task, prompts, sampled)  # [n, N] NaN: unscorable
             scorable = ~correct.isnan()  # [n, N]
             results["pass_k"] = pass_at_k(

