@@ -26,7 +26,8 @@ from loorl.training.checkpoints import (
     replay_metrics_rows,
     resolve_resume,
 )
-from loorl.util.allocator import keep_freed_memory
+from loorl.util.allocator import keep_freed_memory, keeps_freed_memory
+from loorl.util.hardware import cuda_available
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +45,46 @@ def trainer_precision(cfg: DictConfig) -> str:
     return {"bfloat16": "bf16-mixed", "float16": "16-mixed"}[cfg.model.dtype]
 
 
+def trains_on_cuda(trainer: L.Trainer) -> bool:
+    """Whether the trainer's accelerator is CUDA (the condition of `determinism_note`)."""
+    from lightning.pytorch.accelerators import CUDAAccelerator
+
+    return isinstance(trainer.accelerator, CUDAAccelerator)
+
+
+def determinism_note(*, on_cuda: bool, deterministic: bool | str | None, resuming: bool) -> str | None:
+    """What a run on CUDA without `trainer.deterministic=true` should be told, or None.
+
+    CPU runs repeat bit for bit (README "Stopping and resuming"); GPU kernels that add in parallel
+    (atomics in backward passes, split reductions in cuBLAS) do not, so a resumed GPU run is the same
+    run in distribution only, unless torch is asked for deterministic algorithms."""
+    if not on_cuda or deterministic is True:
+        return None
+    which = "this resumed run is" if resuming else "a resume of this run will be"
+    return (
+        f"trainer.deterministic={deterministic} on CUDA: {which} statistically, not bitwise, the same run as "
+        "an uninterrupted one (nondeterministic GPU kernels); trainer.deterministic=true asks torch for "
+        "deterministic algorithms (slower; untested on GPU here; vLLM's own kernels are not covered)"
+    )
+
+
+def note_determinism(trainer: L.Trainer, cfg: DictConfig, *, resuming: bool) -> None:
+    """Log `determinism_note` once (rank 0): a warning when resuming, else information."""
+    note = determinism_note(
+        on_cuda=trains_on_cuda(trainer), deterministic=cfg.trainer.get("deterministic"), resuming=resuming
+    )
+    if note and rank_zero_only.rank == 0:
+        (log.warning if resuming else log.info)(note)
+
+
 def train(cfg: DictConfig) -> dict[str, float]:
     """Check the config, build everything, validate once (step 0), train, write the outputs.
 
     Resuming (`resume_from`: a checkpoint, or `auto` for the newest under `output_dir`) skips the
     step-0 validation, whose result is in the checkpoint with the rest of the run's history."""
     s = check_config(cfg)
-    if s.run.keep_freed_memory:
+    accelerator = str(cfg.trainer.get("accelerator", "auto"))
+    if keeps_freed_memory(s.run.keep_freed_memory, accelerator=accelerator, cuda_available=cuda_available()):
         keep_freed_memory()
     output_dir = Path(cfg.output_dir)
     resume = resolve_resume(s.run.resume_from, output_dir, identity(s))  # checked, before loading
@@ -112,6 +146,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         enable_progress_bar=progress_bar,
         plugins=[AtomicCheckpointIO()],
     )
+    note_determinism(trainer, cfg, resuming=resume is not None)
     if resume is None:
         trainer.validate(module, datamodule=datamodule, verbose=False)
     else:

@@ -38,6 +38,7 @@ from loorl.algo.logprobs import (
 from loorl.algo.objectives import LossStats, policy_loss, token_loss_of
 from loorl.models.load import load_causal_lm
 from loorl.parallel.distributed import all_reduce, gather_rows, rank_and_world
+from loorl.parallel.fsdp import clip_grad_norm_
 from loorl.settings import (
     EstimatorSettings,
     KLSettings,
@@ -330,9 +331,10 @@ class PolicyGradientModule(L.LightningModule):
         if self.loss_settings.max_grad_norm:
             params = [p for p in self.policy.parameters() if p.grad is not None]
             # Under DDP the gradient is already all-reduced; under FSDP the grads are DTensor shards
-            # and torch computes the norm of the full gradient (a collective), returned as a DTensor.
-            norm = torch.nn.utils.clip_grad_norm_(params, self.loss_settings.max_grad_norm)
-            self._grad_norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+            # and the norm of the full gradient is one scalar all-reduce on the mesh's device (also
+            # when offload keeps the shards on the CPU and the group is NCCL's).
+            norm = clip_grad_norm_(params, max_norm=self.loss_settings.max_grad_norm)
+            self._grad_norms.append(norm)
 
     # ---- held-out evaluation -------------------------------------------------------------------
     def validation_step(self, results: dict, batch_idx: int) -> None:

@@ -2,9 +2,10 @@
 
 Why this and not Lightning's `FSDPStrategy`: that one wraps with FSDP1 and refuses
 `accelerator="cpu"`, so it could not be run or tested on a CPU machine. `ModelParallelStrategy`
-initialises the process group (gloo on CPU, NCCL on GPU), builds a device mesh, launches processes
-(its own launcher, torchrun or SLURM), saves distributed checkpoints and restores them, and leaves
-the sharding to the LightningModule's `configure_model`. This subclass fixes the mesh to pure data
+initialises the process group (gloo on CPU, NCCL on GPU; both when offloading on GPU:
+`process_group_backend`), builds a device mesh, launches processes (its own launcher, torchrun or
+SLURM), saves distributed checkpoints and restores them, and leaves the sharding to the
+LightningModule's `configure_model`. This subclass fixes the mesh to pure data
 parallelism (every rank one data-parallel shard, no tensor parallelism) and carries the sharding
 settings, which `PolicyGradientModule.configure_model` applies through `shard`.
 """
@@ -14,8 +15,24 @@ from __future__ import annotations
 from pathlib import Path
 
 from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed import Backend
 
 from loorl.training.checkpoints import atomic_directory
+
+
+def process_group_backend(*, configured: str | None, device_type: str, offload: bool) -> str:
+    """The backend `init_process_group` gets: `configured` when set, else the device's default (nccl
+    on CUDA, gloo on CPU), with gloo added for CPU tensors when FSDP offloads to the CPU on another
+    device (`cpu:gloo,cuda:nccl`). Offloaded gradients are CPU DTensors: torch's `clip_grad_norm_`,
+    DTensor arithmetic and gathers of CPU shards run collectives on them, which NCCL alone refuses
+    ("No backend type associated with device type cpu"). loorl's own clipping and gathers use the
+    mesh's device either way (loorl.parallel.fsdp); gloo covers the rest. Untested on GPU."""
+    if configured:
+        return configured
+    default = Backend.default_device_backend_map.get(device_type, "gloo")
+    if offload and device_type != "cpu" and default != "gloo":
+        return f"cpu:gloo,{device_type}:{default}"
+    return default
 
 
 class FSDPStrategy(ModelParallelStrategy):
@@ -44,6 +61,14 @@ class FSDPStrategy(ModelParallelStrategy):
         # every process a data-parallel rank (the parent's "auto" would mean one per node)
         self._data_parallel_size = self.num_nodes * self.num_processes
         super().setup_environment()
+
+    def _get_process_group_backend(self) -> str:
+        # what Lightning's ModelParallelStrategy._setup_distributed passes to init_process_group
+        return process_group_backend(
+            configured=self._process_group_backend,
+            device_type=self.root_device.type,
+            offload=self.offload_params,
+        )
 
     def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
         """A folder of shards, written beside the old one and swapped in (checkpoints.atomic_directory):

@@ -10,6 +10,11 @@ a page fault and sometimes faulted in again; this VM's kernel also reclaims idle
 step it pays, as measured above. Hand-written
 because PyTorch has no caching allocator for CPU memory; jemalloc or tcmalloc (LD_PRELOAD) do the
 same where installed. Does nothing where the C library is not glibc.
+
+`keep_freed_memory: auto` (the default) turns it on only when training on the CPU
+(`keeps_freed_memory`): on a GPU the step's tensors live in CUDA's own caching allocator, and the
+setting would only keep freed host memory resident, once per rank (a freed 512 MB CPU tensor left
+the process at 733 MB instead of 221 MB).
 """
 
 from __future__ import annotations
@@ -21,6 +26,16 @@ import logging
 log = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt parameters (malloc.h)
+
+
+def keeps_freed_memory(setting: bool | str, *, accelerator: str, cuda_available: bool) -> bool:
+    """Whether the run keeps freed memory: true/false as set; `auto` only when it trains on the CPU
+    (`trainer.accelerator=cpu`, or `auto` where CUDA is not available)."""
+    from loorl.util.hardware import uses_cuda
+
+    if setting != "auto":
+        return bool(setting)
+    return not uses_cuda(accelerator, available=cuda_available)
 
 
 def keep_freed_memory() -> bool:

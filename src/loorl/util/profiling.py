@@ -5,6 +5,11 @@ Each phase is a `torch.profiler.record_function` range named `loorl/<phase>` (wh
 `perf/<phase>_seconds`. The DataModule times `gen` and `grade`, the module `prepare`, `forward`,
 `backward` and `optimizer`; `perf/step_seconds` is the whole step and `perf/other_seconds` what no
 phase covers (Lightning's loop, logging, batch assembly, Python).
+
+On a GPU, kernels run after the Python that launched them returns: without a wait a phase measures
+its launches, and the time shows up in whichever later phase first waits (`.item()`). So when this
+process uses CUDA, each phase boundary synchronises (the price: the CPU no longer queues the next
+phase's kernels while this phase's run); on CPU it costs one flag read. Untested on GPU here.
 """
 
 from __future__ import annotations
@@ -18,17 +23,32 @@ import torch
 PHASES = ("gen", "grade", "prepare", "forward", "backward", "entropy", "optimizer", "other")
 
 
+def cuda_in_use() -> bool:
+    """Whether this process has started CUDA (then kernels may be queued when a phase starts or ends).
+    A flag read, no driver call: False on CPU builds, on machines without a GPU, and in runs that
+    never touch CUDA."""
+    return torch.cuda.is_initialized()
+
+
 class PhaseClock:
-    def __init__(self) -> None:
+    def __init__(self, *, sync_cuda: bool | None = None) -> None:
+        """`sync_cuda`: wait for CUDA at each phase boundary; None: whenever `cuda_in_use()`."""
         self.seconds: dict[str, float] = defaultdict(float)
+        self.sync_cuda = sync_cuda
+
+    def _wait_for_device(self) -> None:
+        if self.sync_cuda if self.sync_cuda is not None else cuda_in_use():
+            torch.cuda.synchronize()
 
     @contextmanager
     def phase(self, name: str):
         with torch.profiler.record_function(f"loorl/{name}"):
+            self._wait_for_device()  # what earlier phases queued is not this phase's time
             start = time.perf_counter()
             try:
                 yield
             finally:
+                self._wait_for_device()  # this phase's kernels are
                 self.seconds[name] += time.perf_counter() - start
 
     def pop(self) -> dict[str, float]:
