@@ -19,9 +19,16 @@ reports medians over the runs of each system.
 
 TRL needs accelerate, which loorl's environment keeps out; the first run creates a venv at
 `--venv` (default <LOORL_CACHE>/trl-venv) that sees this environment's packages (torch,
-transformers: the same versions for both) and adds trl==1.16.0, accelerate and datasets. Offline,
-point `--venv` at one made elsewhere. loorl runs as configured (its step-0 and final validations and
-policy export included in its whole-process time; TRL evaluates nothing while training).
+transformers: the same versions for both) and adds trl==1.16.0, accelerate and datasets from the
+package index. Offline (a GPU node without an index), `--trl-python PATH` names an interpreter that
+already has them (and loorl's own dependencies, since scripts/trl_rloo.py composes loorl's config):
+no venv is made and nothing is installed; a path that is missing or cannot `import trl, accelerate,
+datasets` is refused in one line before any run starts. On a GPU node both systems run on CUDA
+(loorl's accelerator=auto, TRL's use_cpu off): untested on GPU, as is `--trl-python` there. loorl
+runs as configured (its step-0 and final validations and policy export included in its whole-process
+time; TRL evaluates nothing while training).
+
+    python scripts/bench_vs_trl.py --trl-python /opt/trl-env/bin/python   # offline: TRL already there
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -39,11 +47,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TRL_REQUIREMENTS = ["trl==1.16.0", "accelerate", "datasets"]
+TRL_MODULES = ["trl", "accelerate", "datasets"]  # what --trl-python must import
+PROBE_S = 300  # the import check's limit (TRL imports transformers, accelerate and datasets)
 
 # the work: loorl overrides (TRL's run is composed from the same ones) and the default step count
 WORK = {
-    # the default run: tiny model, 96 prompts x K=4, 5 new tokens, lr 3e-4 cosine, temperature 0.7
-    "tiny": {"overrides": [], "steps": 150},
+    # the default run: tiny model, 96 prompts x K=4, 5 new tokens, lr 3e-4 cosine, temperature 0.7; the HF
+    # engine as on CPU (rollout=auto would take vLLM on a GPU node that has it, TRL samples with `generate`)
+    "tiny": {"overrides": ["rollout=hf"], "steps": 150},
     # SmolLM2-135M-Instruct on chat arithmetic: 8 prompts x K=4 (its recipe), 24 new tokens, lr 1e-5,
     # bf16 compute over float32 weights for both (TRL: bf16=True); 10 steps (a TRL step is ~40 s)
     "smollm2": {
@@ -66,6 +77,7 @@ def cache_dir() -> Path:
 
 
 def ensure_trl_venv(venv: Path) -> Path:
+    """The venv's interpreter; the venv is created (and TRL pip-installed into it) on first use."""
     python = venv / "bin" / "python"
     if python.exists():
         return python
@@ -73,6 +85,38 @@ def ensure_trl_venv(venv: Path) -> Path:
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
     subprocess.run([str(python), "-m", "pip", "install", "-q", *TRL_REQUIREMENTS], check=True)
     return python
+
+
+def checked_trl_python(path: str) -> Path:
+    """`--trl-python`: an interpreter (a path, or a command on PATH) that imports TRL's packages.
+
+    Raises ValueError with a one-line message naming the option and the fix."""
+    found = shutil.which(path) if os.sep not in path else path
+    fix = f"point it at an interpreter with {', '.join(TRL_REQUIREMENTS)}, or leave it out to create a venv"
+    if found is None or not (Path(found).is_file() and os.access(found, os.X_OK)):
+        raise ValueError(f"--trl-python={path} is not an executable file: {fix}")
+    modules = ", ".join(TRL_MODULES)
+    try:
+        probe = subprocess.run(
+            [found, "-c", f"import {modules}"], capture_output=True, text=True, timeout=PROBE_S
+        )
+        failure = (probe.stderr or f"exit {probe.returncode}") if probe.returncode else ""
+    except (OSError, subprocess.TimeoutExpired) as err:
+        failure = str(err)
+    if failure:
+        last = failure.strip().splitlines()[-1]
+        raise ValueError(f"--trl-python={path} cannot import {modules} ({last}): {fix}")
+    return Path(found)
+
+
+def trl_interpreter(*, trl_python: str | None, venv: Path, systems: list[str]) -> Path:
+    """The interpreter that runs TRL's side: `--trl-python` as given (checked, nothing installed), else
+    the venv (created on first use); this one when TRL is not benchmarked."""
+    if "trl" not in systems:
+        return Path(sys.executable)
+    if trl_python is not None:
+        return checked_trl_python(trl_python)
+    return ensure_trl_venv(venv)
 
 
 class PeakMemory:
@@ -214,7 +258,7 @@ def table(rows: list[dict], steps: dict[str, int], repeats: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -222,12 +266,27 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each system per work (at least 3)")
     parser.add_argument("--steps", type=int, default=None, help="RL steps per run (default: per work)")
     parser.add_argument("--systems", nargs="+", choices=["loorl", "trl"], default=["loorl", "trl"])
-    parser.add_argument("--venv", type=Path, default=cache_dir() / "trl-venv")
+    parser.add_argument(
+        "--venv", type=Path, default=cache_dir() / "trl-venv", help="made for TRL without --trl-python"
+    )
+    parser.add_argument(
+        "--trl-python",
+        metavar="PATH",
+        help="an interpreter that already has trl, accelerate and datasets (offline: no venv, no pip)",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    try:  # before any run: a bad interpreter is one line, not a failure 20 minutes in
+        trl_python = trl_interpreter(trl_python=args.trl_python, venv=args.venv, systems=args.systems)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     out = args.out.resolve() / "vs_trl_runs"
     out.mkdir(parents=True, exist_ok=True)
-    trl_python = ensure_trl_venv(args.venv) if "trl" in args.systems else Path(sys.executable)
     steps = {w: args.steps or WORK[w]["steps"] for w in args.work}
     rows = []
     for work in args.work:
@@ -236,7 +295,7 @@ def main() -> None:
                 rows.append(run_once(system, work, steps[work], index, out, trl_python))
     text = table(rows, steps, args.repeats)
     text += (
-        f"\nMachine: {os.cpu_count()} CPU cores, torch {torch_version()}. Command: "
+        f"\nMachine: {machine()}. Command: "
         f"`python scripts/bench_vs_trl.py {' '.join(sys.argv[1:])}`. Per-run rows: vs_trl.json.\n"
     )
     (args.out / "vs_trl.md").write_text(text)
@@ -244,10 +303,12 @@ def main() -> None:
     print("\n" + text + f"\nwritten to {args.out}/vs_trl.md")
 
 
-def torch_version() -> str:
+def machine() -> str:
+    """CPU cores, the GPU where there is one, and torch: what the table was measured on."""
     import torch
 
-    return torch.__version__
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return f"{os.cpu_count()} CPU cores{gpu}, torch {torch.__version__}"
 
 
 if __name__ == "__main__":

@@ -5,6 +5,11 @@
   one `python src/train.py debug=quick` runs), with the session's model cache.
 - `default_cfg(*overrides)` and `quick_cfg(*overrides)` (per test): the same, writing under the test's
   own `tmp_path` (`<tmp_path>/run`).
+
+The quick profile samples with the HF engine (`rollout=hf`) wherever it runs: `rollout=auto` would take
+vLLM on a GPU node that has it, one engine per test at half the GPU's memory. Tests about vLLM ask for
+`rollout=vllm`. What a test needs from the machine (vllm, wandb, the package index, CUDA) and the
+overrides that pin a run to the CPU are in tests/fixtures.py.
 """
 
 from __future__ import annotations
@@ -17,6 +22,30 @@ import pytest
 from loorl.config import compose_config
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+QUICK = ("debug=quick", "rollout=hf")  # the tests' base profile
+
+
+def xdist_threads(*, cpus: int, workers: int) -> int:
+    """CPU threads for each of `workers` pytest-xdist processes sharing `cpus` cores (at least 1)."""
+    return max(1, cpus // max(1, workers))
+
+
+def _share_the_cores_under_xdist() -> None:
+    """Under pytest-xdist each worker's torch (and, through OMP_NUM_THREADS, each process it starts)
+    takes its share of the cores, unless OMP_NUM_THREADS is set already. Left alone, every worker starts
+    one thread per core: `-n 14` on a 16-core GPU node means 224 threads on 16 cores, and every CPU-bound
+    test (model builds, training runs, CLI start-ups) slows down as much, into its timeout."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if not workers or "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = xdist_threads(cpus=os.cpu_count() or 1, workers=int(workers))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+_share_the_cores_under_xdist()
 
 
 @pytest.fixture(scope="session")
@@ -38,10 +67,11 @@ def make_config(tmp_path_factory):
 
 @pytest.fixture(scope="package")
 def quick_config(make_config, model_cache):
-    """`quick_config(*overrides, output_dir=...)`: the quick profile with the session's model cache."""
+    """`quick_config(*overrides, output_dir=...)`: the quick profile with the session's model cache and
+    the HF engine (see the module's docstring); overrides win."""
 
     def make(*overrides: str, **kwargs):
-        return make_config("debug=quick", f"model.cache_dir={model_cache}", *overrides, **kwargs)
+        return make_config(*QUICK, f"model.cache_dir={model_cache}", *overrides, **kwargs)
 
     return make
 

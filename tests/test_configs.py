@@ -18,6 +18,7 @@ from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
 from omegaconf import DictConfig, OmegaConf
 
+from fixtures import needs_submitit, needs_wandb
 from loorl.algo import estimators
 from loorl.config import CONF_DIR, check_config, check_group_choices, compose_config
 from loorl.errors import ConfigError
@@ -144,6 +145,18 @@ def test_qwen7b_model(default_cfg):
     m = default_cfg("model=qwen7b").model
     assert m.name_or_path == "Qwen/Qwen2.5-7B-Instruct"
     assert m.dtype == "bfloat16" and m.ref_dtype == "bfloat16"
+
+
+@pytest.mark.parametrize("model", ["qwen7b", "llama8b"])
+def test_7b_recipes_keep_the_reference_on_the_gpu_sharded_with_the_policy(default_cfg, model):
+    """README "Memory of the 7B recipes": under FSDP on 80 GB cards the bf16 reference's shards fit beside the
+    policy's (1.8-1.9 GiB a GPU of 8), so the recipe keeps it there instead of scoring it on the CPU."""
+    cfg = default_cfg(f"model={model}", "trainer=gpu", "strategy=fsdp", "trainer.devices=8")
+    assert cfg.kl.coef > 0 and cfg.model.ref_dtype == "bfloat16"  # the recipe loads a reference
+    assert cfg.model.ref_offload is False
+    strategy = instantiate(cfg.trainer.strategy)
+    assert strategy.shard_reference and not strategy.offload_params  # sharded, on the GPU
+    assert cfg.trainer.accelerator == "gpu" and cfg.model.gradient_checkpointing
 
 
 def test_model_cache_dir_follows_loorl_cache(default_cfg, tmp_path, monkeypatch):
@@ -287,6 +300,7 @@ def test_logger_wandb_composes_offline(default_cfg, tmp_path):
     assert cfg.logger.wandb.group is None and cfg.logger.wandb.name is None
 
 
+@needs_wandb
 def test_logger_wandb_instantiates(default_cfg, monkeypatch):
     from lightning.pytorch.loggers import WandbLogger
 
@@ -508,9 +522,9 @@ def test_debug_quick_profile_composes_and_passes_the_check(default_cfg):
     check_config(cfg)
 
 
+@needs_submitit
 def test_slurm_launcher_composes(tmp_path):
     """`hydra/launcher=slurm` (the submitit plugin, `.[slurm]`): one SLURM task per process."""
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
     overrides = ["hydra/launcher=slurm", "strategy=fsdp", "trainer.devices=8", "trainer.num_nodes=2"]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose("train", overrides=[*overrides, f"output_dir={tmp_path}"], return_hydra_config=True)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fixtures import ON_CPU
 from loorl.config import check_config
 from loorl.errors import ConfigError
 from loorl.parallel.distributed import rank_block
@@ -49,8 +50,9 @@ def _env() -> dict:
 
 
 def one_step(out: Path, model_cache: Path, strategy: str = "auto", procs: int = 1, *extra: str) -> dict:
+    """tests/dist_one_step.py's CPU trainer (gloo) with the HF engine for its rollout, on any machine."""
     args = [str(ONE_STEP), "--strategy", strategy, "--out", str(out), "--model-cache", str(model_cache)]
-    args += SETTINGS + list(extra)
+    args += SETTINGS + ["rollout=hf"] + list(extra)
     if procs > 1:
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={procs}"]
     else:
@@ -149,8 +151,10 @@ def test_two_processes_take_the_single_process_step(tmp_path, model_cache, singl
 
 # ---- two processes: the CLI trains, checkpoints, resumes, exports ---------------------------------
 def _cli(run_dir: Path, model_cache: Path, *overrides: str, devices: int = 2) -> subprocess.CompletedProcess:
+    """`devices` CPU processes (gloo), also on a GPU node: these tests are about CPU data parallelism and
+    compare with a one-process CPU run (a node with one GPU could not start two GPU processes anyway)."""
     cmd = [sys.executable, str(ROOT / "src" / "train.py"), "debug=quick", f"model.cache_dir={model_cache}"]
-    cmd += [f"hydra.run.dir={run_dir}", f"trainer.devices={devices}", *overrides]
+    cmd += [*ON_CPU, f"hydra.run.dir={run_dir}", f"trainer.devices={devices}", *overrides]
     done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
@@ -254,7 +258,7 @@ def test_two_processes_with_vllm_engines_keep_the_sampler_gap_small(tmp_path, mo
 def test_two_processes_learn_the_default_task(tmp_path, strategy):
     """The default run (150 steps) with 2 processes gains at least 25 held-out points."""
     cmd = [sys.executable, str(ROOT / "src" / "train.py"), f"strategy={strategy}", "trainer.devices=2"]
-    cmd += [f"hydra.run.dir={tmp_path / 'run'}"]
+    cmd += [*ON_CPU, f"hydra.run.dir={tmp_path / 'run'}"]
     done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((tmp_path / "run" / "metrics.json").read_text())["summary"]

@@ -28,7 +28,8 @@ def trained(quick_config, tmp_path_factory):
 
 
 def eval_config(model_cache, out, *overrides):
-    quick = ["debug=quick", f"model.cache_dir={model_cache}", "trainer.enable_progress_bar=false"]
+    quick = ["debug=quick", "rollout=hf", f"model.cache_dir={model_cache}"]
+    quick += ["trainer.enable_progress_bar=false"]
     return compose_config(f"output_dir={out}", *quick, *overrides, config_name="eval")
 
 
@@ -121,7 +122,7 @@ def test_eval_refuses_a_bad_policy_path(model_cache, tmp_path, policy, message):
 def test_eval_cli_prints_the_table_and_one_line_errors(trained, model_cache, tmp_path):
     run, summary = trained
     command = [sys.executable, str(ROOT / "src" / "eval.py"), f"policy={run}/policy", "debug=quick",
-               f"model.cache_dir={model_cache}", f"hydra.run.dir={tmp_path / 'cli'}",
+               "rollout=hf", f"model.cache_dir={model_cache}", f"hydra.run.dir={tmp_path / 'cli'}",
                "eval.samples=2", "eval.k=2"]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]

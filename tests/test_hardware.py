@@ -23,8 +23,9 @@ PROBE = (
 
 
 def _probe_in(env: dict[str, str]) -> list[str]:
-    done = subprocess.run([sys.executable, "-c", PROBE], env={**os.environ, **env},
-                          capture_output=True, text=True, check=True)  # fmt: skip
+    """The CPU's choice in a fresh process (CUDA hidden: on a GPU node a CUDA device decides first)."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **env}
+    done = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True)
     return done.stdout.split()
 
 

@@ -24,6 +24,9 @@ def _peak_rise(cache: Path, groups_per_pass: int) -> float:
     probe = Path(__file__).with_name("memory_probe.py")
     src = Path(__file__).resolve().parents[1] / "src"  # this checkout's code, installed or not
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
+    # the CPU rollout's host memory: on a GPU node nothing may start CUDA in the probe (a CUDA context
+    # maps hundreds of MB of driver and library pages into the process's resident memory)
+    env["CUDA_VISIBLE_DEVICES"] = ""
     out = subprocess.run(
         [sys.executable, str(probe), str(cache), str(groups_per_pass)],
         capture_output=True, text=True, check=True, timeout=600, env=env,

@@ -16,6 +16,7 @@ from loorl.tasks.mixed import MixedTask, quotas
 
 QUICK = [
     "debug=quick",
+    "rollout=hf",  # as tests/conftest.py's quick profile: not vLLM on a GPU node that has it
     "rollout.max_new_tokens=16",
     "val_pass_k=0",
     "model.tiny.warm_start.max_steps=20",

@@ -108,6 +108,67 @@ def test_benchmark_reads_both_systems_step_metrics_and_tables_them(tmp_path):
     assert "| tiny (3 steps) | loorl | 10.0 | 3.00 | 100 | 240 | 500 | 50.0% | 1.00x, 2.33x |" in text
 
 
+# ---- the TRL interpreter: a venv made on first use, or --trl-python (offline) ------------------------
+def _fake_trl_packages(root: Path) -> Path:
+    """Empty `trl`, `accelerate` and `datasets` packages: what --trl-python's check imports."""
+    for name in ("trl", "accelerate", "datasets"):
+        (root / name).mkdir(parents=True)
+        (root / name / "__init__.py").write_text("")
+    return root
+
+
+def test_trl_python_option_is_parsed():
+    bench = _script("bench_vs_trl")
+    assert bench.parse_args([]).trl_python is None  # the venv, as before
+    args = bench.parse_args(["--trl-python", "/opt/trl/bin/python", "--work", "tiny"])
+    assert args.trl_python == "/opt/trl/bin/python" and args.work == ["tiny"]
+
+
+def test_with_trl_python_no_venv_is_made(tmp_path, monkeypatch):
+    bench = _script("bench_vs_trl")
+    monkeypatch.setenv("PYTHONPATH", str(_fake_trl_packages(tmp_path / "site")))
+    monkeypatch.setattr(bench, "ensure_trl_venv", lambda venv: pytest.fail("a venv was made"))
+    venv = tmp_path / "venv"
+    python = bench.trl_interpreter(trl_python=sys.executable, venv=venv, systems=["loorl", "trl"])
+    assert python == Path(sys.executable) and not venv.exists()
+    name = Path(sys.executable).name  # a command on PATH is taken too
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    assert bench.trl_interpreter(trl_python=name, venv=venv, systems=["trl"]).name == name
+
+
+def test_without_trl_python_the_venv_is_made_as_before(tmp_path, monkeypatch):
+    bench = _script("bench_vs_trl")
+    made = []
+    monkeypatch.setattr(bench, "ensure_trl_venv", lambda venv: made.append(venv) or venv / "bin" / "python")
+    venv = tmp_path / "venv"
+    python = bench.trl_interpreter(trl_python=None, venv=venv, systems=["loorl", "trl"])
+    assert python == venv / "bin" / "python"
+    assert bench.trl_interpreter(trl_python=None, venv=venv, systems=["loorl"]) == Path(sys.executable)
+    assert made == [venv]  # only when TRL runs
+
+
+def test_a_trl_python_without_trl_is_refused(tmp_path):
+    bench = _script("bench_vs_trl")
+    bare = tmp_path / "python"  # an interpreter without site-packages: no trl, whatever is installed here
+    bare.write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+    bare.chmod(0o755)
+    with pytest.raises(ValueError, match=r"--trl-python=.*cannot import trl, accelerate, datasets \(.*trl"):
+        bench.checked_trl_python(str(bare))
+    with pytest.raises(ValueError, match=r"--trl-python=.*nope.* is not an executable file: point it at"):
+        bench.checked_trl_python(str(tmp_path / "nope" / "python"))
+    with pytest.raises(ValueError, match="is not an executable file"):
+        bench.checked_trl_python(str(tmp_path))  # a folder
+
+
+def test_the_script_refuses_a_missing_trl_python_in_one_line_before_anything_runs(tmp_path):
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_vs_trl.py"), "--trl-python", str(tmp_path / "nope"),
+           "--venv", str(tmp_path / "venv"), "--out", str(tmp_path / "out")]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith(f"error: --trl-python={tmp_path}")
+    assert not (tmp_path / "venv").exists() and not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_trl_peer_runs_one_step_on_the_tiny_model(tmp_path):
     """TRL's RLOOTrainer on loorl's default work (its own venv; created from the package index)."""

@@ -30,7 +30,7 @@ def plugin_env(**extra: str) -> dict[str, str]:
 
 
 def train_cli(tmp_path: Path, model_cache: Path, *overrides: str, **env: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "src/train.py", "debug=quick", f"model.cache_dir={model_cache}",
+    command = [sys.executable, "src/train.py", "debug=quick", "rollout=hf", f"model.cache_dir={model_cache}",
                "rl.steps=2", "val_every=2", "val_pass_k=0", "checkpoint_every=0", "export_policy=false",
                f"hydra.run.dir={tmp_path / 'run'}", *overrides]  # fmt: skip
     return subprocess.run(

@@ -9,6 +9,7 @@ import torch
 from hydra.utils import instantiate
 from safetensors.torch import load_file
 
+from fixtures import ON_CPU
 from loorl.cli.train import train, trainer_precision
 from loorl.errors import ConfigError
 from loorl.models.tiny import ensure_tiny_model
@@ -16,9 +17,10 @@ from loorl.models.tiny import ensure_tiny_model
 
 def _policy_after_two_steps(quick_config, tmp_path, *overrides):
     """`python src/train.py model.dtype=bfloat16 optimizer.lr=1e-6 rl.steps=2 checkpoint_every=1`,
-    quick-sized: the checkpoint's policy weights and the initial ones, by name."""
+    quick-sized, on the CPU's bf16 autocast (the CUDA one: tests/test_gpu.py): the checkpoint's policy
+    weights and the initial ones, by name."""
     cfg = quick_config(
-        "model.dtype=bfloat16", "optimizer.lr=1e-6", "rl.steps=2", "checkpoint_every=1", *overrides,
+        "model.dtype=bfloat16", "optimizer.lr=1e-6", "rl.steps=2", "checkpoint_every=1", *ON_CPU, *overrides,
         output_dir=tmp_path,
     )  # fmt: skip
     initial = load_file(ensure_tiny_model(cfg.model, cfg.task, instantiate(cfg.task)) / "model.safetensors")

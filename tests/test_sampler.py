@@ -11,6 +11,7 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
+from fixtures import needs_vllm
 from loorl.algo.logprobs import filter_logits, token_entropy, token_logprobs
 from loorl.cli.train import train
 from loorl.models.load import load_causal_lm, load_tokenizer
@@ -68,8 +69,8 @@ def test_model_generation_config_does_not_change_the_hf_sampler(quick_config, ho
 
 
 @pytest.mark.vllm
+@needs_vllm
 def test_model_generation_config_does_not_change_the_vllm_sampler(quick_config, hostile_dir, tmp_path):
-    pytest.importorskip("vllm")
     history = _history(quick_config, tmp_path, f"model.name_or_path={hostile_dir}", "rollout=vllm")
     worst = max(v for _, v in history["train/sampler_logratio_max"])
     assert worst < 1e-3, worst
@@ -145,11 +146,18 @@ def test_truncated_logprobs_value_gradient_and_kept_sampled_token():
     assert float(token_entropy(flat, top_p=0.5)) == pytest.approx(math.log(3))
 
 
+# How far the trainer's truncated log-probs may be from the sampler's. On the CPU (float32) the cached
+# decode and the full forward agree to float rounding. On CUDA the kernels differ per shape in the last
+# bits, and a top-k cut-off between two near-equal logits then gives a sampled token another support (one
+# such token moves a step's mean by about 1e-3): a looser bound there, still far below the bug's -0.67.
+TRUNCATED_GAP = 1e-2 if torch.cuda.is_available() else 1e-4
+
+
 @pytest.mark.parametrize("override", ["rollout.top_k=5", "rollout.top_p=0.5"])
 def test_truncated_sampling_trains_on_the_sampler_distribution(quick_config, tmp_path, override):
     history = _history(quick_config, tmp_path, "rollout=hf", override)
     worst = max(abs(v) for _, v in history["train/sampler_logratio_mean"])
-    assert worst < 1e-4, worst  # was -1.86 (top_k=5) and -0.67 (top_p=0.5) scoring the full softmax
+    assert worst < TRUNCATED_GAP, worst  # was -1.86 (top_k=5) and -0.67 (top_p=0.5) scoring the full softmax
 
 
 # ---- every EOS id ends a completion ------------------------------------------------------------
@@ -207,8 +215,8 @@ def test_hf_engine_stops_at_every_eos_id(quick_config, two_eos_dir):
 
 
 @pytest.mark.vllm
+@needs_vllm
 def test_vllm_engine_stops_at_every_eos_id(quick_config, two_eos_dir):
-    pytest.importorskip("vllm")
     path, ids = two_eos_dir
     engine, tok = _engine_for(quick_config("rollout=vllm"), path)
     engine.sync(load_causal_lm(str(path), dtype="float32"), version=0)
