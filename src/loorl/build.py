@@ -84,6 +84,7 @@ def build_datamodule(
         model_dtype=s.model.dtype,
         seed=s.run.seed,
         share_prompt=s.rl.share_prompt,
+        cuda=s.on_cuda,
     )
     return RolloutDataModule(
         task=task,
@@ -112,7 +113,9 @@ def build_module(cfg_or_settings, model_path: str) -> PolicyGradientModule:
         estimator=s.estimator,
         sampling=s.rollout.sampling,
         seed=s.run.seed,
-        sampler_logprobs_match_trainer=engine_class(s.rollout)[0].logprobs_match_trainer(s.model.dtype),
+        sampler_logprobs_match_trainer=engine_class(s.rollout, cuda=s.on_cuda)[0].logprobs_match_trainer(
+            s.model.dtype
+        ),
         identity=identity(s),
     )
 

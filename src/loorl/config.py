@@ -77,6 +77,14 @@ class Settings:
     task: dict[str, Any]  # the task section, resolved: the Task's constructor arguments (`_target_`)
     optimizer: dict[str, Any]  # the optimizer section, resolved: a Hydra partial over the parameters
     strategy: str = "auto"  # the training strategy's kind: auto | ddp | fsdp (`strategy_kind`)
+    accelerator: str = "auto"  # trainer.accelerator: cpu | gpu | auto (`loorl.util.hardware.uses_cuda`)
+
+    @property
+    def on_cuda(self) -> bool:
+        """Whether the run trains on CUDA: what every device-dependent default asks."""
+        from loorl.util.hardware import uses_cuda
+
+        return uses_cuda(self.accelerator)
 
 
 def load_settings(cfg: DictConfig) -> Settings:
@@ -99,6 +107,7 @@ def load_settings(cfg: DictConfig) -> Settings:
         task=OmegaConf.to_container(cfg.task, resolve=True),
         optimizer=OmegaConf.to_container(cfg.optimizer, resolve=True),
         strategy=strategy_kind(cfg) if "trainer" in cfg else "auto",
+        accelerator=str(cfg.trainer.get("accelerator", "auto")) if "trainer" in cfg else "auto",
     )
 
 
@@ -130,7 +139,7 @@ def check_config(cfg: DictConfig) -> Settings:
     check_rewards(cfg)
     check_model_reachable(s.model)
     check_parallel(cfg, s)
-    engine, _ = engine_class(s.rollout)  # the engine checks its own settings
+    engine, _ = engine_class(s.rollout, cuda=s.on_cuda)  # the engine checks its own settings
     context = {"model_dtype": s.model.dtype, "model": s.model, "model_path": pretrained_path(s.model)}
     context |= {"seed": s.run.seed, "share_prompt": s.rl.share_prompt, "parallel": s.strategy}
     engine.check(EngineContext(s.rollout, **context))

@@ -5,8 +5,8 @@
 - `${loorl.sweep_job:}`: the job's overrides as a name (`estimator=grpo,seed=1`), null outside one.
 - `${loorl.div:a,b}`: a // b for a fixed budget split into groups (`conf/ablation/k.yaml`: prompts per
   step = samples per step / K); an error when b does not divide a.
-- `${loorl.fast_dtype:}`: 'bfloat16' where bf16 compute is fast on this machine (a timed probe on
-  CPU, `loorl.util.hardware.fast_compute_dtype`), else 'float32'.
+- `${loorl.fast_dtype:${trainer.accelerator}}`: 'bfloat16' where bf16 compute is fast on the device
+  the run trains on (a timed probe on CPU, `loorl.util.hardware.fast_compute_dtype`), else 'float32'.
 """
 
 from __future__ import annotations
@@ -44,10 +44,10 @@ def exact_div(a, b) -> int:
     return a // b
 
 
-def fast_dtype() -> str:
+def fast_dtype(accelerator: str = "auto") -> str:
     from loorl.util.hardware import fast_compute_dtype
 
-    return fast_compute_dtype()
+    return fast_compute_dtype(str(accelerator))
 
 
 def register() -> None:

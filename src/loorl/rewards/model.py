@@ -13,6 +13,16 @@ import torch
 from loorl.models.load import torch_dtype
 
 
+def reward_device(device: str) -> str:
+    """The torch device of `reward.functions.*.fn.device`: the trainer's accelerator names (cpu, gpu,
+    auto: cuda where available; the config's default follows `trainer.accelerator`) or a torch device."""
+    from loorl.util.hardware import uses_cuda
+
+    if device in ("auto", "gpu"):
+        return "cuda" if uses_cuda(device) else "cpu"
+    return device
+
+
 class RewardModel:
     def __init__(
         self,
@@ -25,7 +35,7 @@ class RewardModel:
         max_length: int = 2048,
     ) -> None:
         self.path, self.batch_size, self.dtype = path, batch_size, dtype
-        self.device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        self.device = reward_device(device)
         self.use_chat_template, self.max_length = use_chat_template, max_length
         self.model = None
         self.tokenizer = None

@@ -20,19 +20,20 @@ BUILT_IN_ENGINES = {  # rollout.engine -> class; any other engine is named by ro
 }
 
 
-def resolve_engine(name: str) -> tuple[str, str]:
-    """The built-in engine that will run and why, for `rollout.engine` = hf | vllm | auto."""
+def resolve_engine(name: str, *, cuda: bool | None = None) -> tuple[str, str]:
+    """The built-in engine that will run and why, for `rollout.engine` = hf | vllm | auto. `cuda`:
+    whether the run trains on CUDA (`Settings.on_cuda`; None: whether a CUDA device is available)."""
     if name != "auto":
         return name, f"rollout.engine={name}"
-    if not cuda_available():
-        return "hf", "rollout=auto: no CUDA device, and on CPU the HF engine is the faster one"
+    if not (cuda_available() if cuda is None else cuda):
+        return "hf", "rollout=auto: training on the CPU, where the HF engine is the faster one"
     if not vllm_installed():
         return "hf", f"rollout=auto: vllm is not installed ({VLLM_INSTALL_HINT})"
     return "vllm", "rollout=auto: CUDA and vllm are present"
 
 
-def engine_class(rollout: RolloutSettings) -> tuple[type[RolloutEngine], str]:
-    """The engine class of the run and why it was chosen."""
+def engine_class(rollout: RolloutSettings, *, cuda: bool | None = None) -> tuple[type[RolloutEngine], str]:
+    """The engine class of the run and why it was chosen (`cuda`: as `resolve_engine`)."""
     if rollout.target is not None:
         cls, reason = import_object(rollout.target, "rollout._target_"), f"rollout._target_={rollout.target}"
         if not (isinstance(cls, type) and issubclass(cls, RolloutEngine)):
@@ -41,7 +42,7 @@ def engine_class(rollout: RolloutSettings) -> tuple[type[RolloutEngine], str]:
                 "loorl.rollout.engine.RolloutEngine"
             )
         return cls, reason
-    name, reason = resolve_engine(rollout.engine)
+    name, reason = resolve_engine(rollout.engine, cuda=cuda)
     return import_object(BUILT_IN_ENGINES[name], "rollout.engine"), reason
 
 
@@ -53,10 +54,12 @@ def build_engine(
     model_dtype: str = "float32",
     seed: int,
     share_prompt: bool = True,
+    cuda: bool | None = None,
 ) -> RolloutEngine:
-    """The engine, unbuilt where building is costly (vLLM starts at the first sync)."""
-    cls, reason = engine_class(rollout)
+    """The engine, unbuilt where building is costly (vLLM starts at the first sync). `cuda`: whether
+    the run trains on CUDA (None: whether a device is available)."""
+    cls, reason = engine_class(rollout, cuda=cuda)
     log.info("rollout engine: %s (%s)", cls.name, reason)
     ctx = EngineContext(rollout, model_dtype=model_dtype, model_path=model_path, tokenizer=tokenizer,
-                        seed=seed, share_prompt=share_prompt)  # fmt: skip
+                        seed=seed, share_prompt=share_prompt, cuda=cuda)  # fmt: skip
     return cls.create(ctx)

@@ -52,10 +52,11 @@ def dtype_for_speedup(speedup: float) -> str:
 
 
 @functools.cache
-def fast_compute_dtype() -> str:
-    """'bfloat16' where bf16 compute is fast (a CUDA GPU that supports it, or a CPU whose bf16 matrix
-    product beats float32 by `BF16_SPEEDUP_NEEDED`), else 'float32'."""
-    if torch.cuda.is_available():
+def fast_compute_dtype(accelerator: str = "auto") -> str:
+    """'bfloat16' where bf16 compute is fast on the device the run trains on (`trainer.accelerator`: a
+    CUDA GPU that supports it, or a CPU whose bf16 matrix product beats float32 by
+    `BF16_SPEEDUP_NEEDED`), else 'float32'."""
+    if uses_cuda(accelerator):
         choice = "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
         log.info("compute dtype %s: CUDA device %s", choice, torch.cuda.get_device_name())
         return choice
@@ -67,6 +68,17 @@ def fast_compute_dtype() -> str:
 
 
 def cuda_available() -> bool:
-    import torch
-
     return torch.cuda.is_available()
+
+
+def uses_cuda(accelerator: str = "auto", *, available: bool | None = None) -> bool:
+    """Whether a run with `trainer.accelerator=accelerator` computes on CUDA: never for cpu, always for
+    gpu/cuda, and for auto where a CUDA device is available. Every choice made for the device (engine,
+    attention, decoding loop, compute dtype, freed-memory policy, a reward model's device) asks this,
+    not `cuda_available()`: a run pinned to the CPU on a GPU node is a CPU run. `available`: whether
+    CUDA is (None: ask torch)."""
+    if accelerator == "cpu":
+        return False
+    if accelerator in ("gpu", "cuda"):
+        return True
+    return cuda_available() if available is None else available
