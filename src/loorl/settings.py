@@ -88,7 +88,8 @@ class RunSettings(Section):
     checkpoint_every: NonNegativeInt = 50  # 0: off
     checkpoint_keep: Annotated[int, Field(ge=-1)] = 2  # the newest periodic checkpoints kept; -1: all
     export_policy: bool = True
-    keep_freed_memory: bool = True  # glibc keeps freed memory for reuse (loorl.util.allocator)
+    # glibc keeps freed memory for reuse (loorl.util.allocator); auto: only when training on the CPU
+    keep_freed_memory: Literal["auto", True, False] = "auto"
 
 
 @dataclass(frozen=True, config=SCHEMA)
@@ -214,7 +215,8 @@ class KLSettings(Section):
 @dataclass(frozen=True, config=SCHEMA)
 class RolloutSettings(Section):
     """`rollout`: the engine, its sampler and the rollout's limits. The engine's own settings (`vllm`,
-    `hf_attention`, a plug-in's `options`) are checked by the engine class (`loorl.rollout.engine`)."""
+    `hf_attention`, `hf_decode`, a plug-in's `options`) are checked by the engine class
+    (`loorl.rollout.engine`)."""
 
     engine: str = "auto"  # hf | vllm | auto; ignored when `_target_` names an engine class
     target: str | None = None  # `_target_` in YAML: package.module.Class, a RolloutEngine subclass
@@ -227,6 +229,7 @@ class RolloutSettings(Section):
     batch_size: PositiveInt = 512
     eval_batch_size: PositiveInt = 256
     hf_attention: str = "auto"  # the HF engine's attention (its choices: loorl.rollout.hf_engine)
+    hf_decode: str = "auto"  # the HF engine's key/value cache and compilation (loorl.rollout.hf_engine)
     vllm: dict[str, Any] | None = None  # the vLLM engine's block (rollout=hf has none)
     options: dict[str, Any] = Field(default_factory=dict)  # a `_target_` engine's own settings
 

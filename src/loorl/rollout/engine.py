@@ -5,7 +5,8 @@ on the live policy; `vllm`: a colocated vLLM `LLM`; `auto`: vLLM where CUDA and 
 otherwise), any other by `rollout._target_: package.module.Class` (which wins over the name). A class
 owns its settings (its block under `rollout`, or `rollout.options` for a plug-in), checks them in
 `check` before any model loads, says in `logprobs_match_trainer` whether its log-probs are the
-trainer's own, builds itself in `create`, and receives the policy's weights in `sync` as
+trainer's own and in `generates_in_trainer_precision` whether it generates under the trainer's
+autocast, builds itself in `create`, and receives the policy's weights in `sync` as
 `PolicyWeights`: (name, tensor) pairs streamed one at a time.
 """
 
@@ -39,6 +40,13 @@ class EngineContext:
     seed: int = 0
     share_prompt: bool = True
     parallel: str = "auto"  # the training strategy: auto (one process) | ddp | fsdp
+    cuda: bool | None = None  # whether the run trains on CUDA (`Settings.on_cuda`); None: a device exists
+
+    @property
+    def on_cuda(self) -> bool:
+        from loorl.util.hardware import cuda_available
+
+        return cuda_available() if self.cuda is None else self.cuda
 
     def token_ids(self) -> dict:
         """The base engine's `eos_token_ids` and `pad_token_id`, from the tokenizer and the model files."""
@@ -71,6 +79,11 @@ class RolloutEngine(ABC):
     """Samples K completions per prompt from the current policy."""
 
     name: str = "engine"
+    # True: the DataModule calls `generate` (and only it: never the grading or a reward model) inside
+    # the trainer's precision context, Lightning's autocast under bf16-mixed. For an engine that samples
+    # with the live policy, which must compute as training_step does. False (default): an engine with
+    # its own weights and dtype (vLLM), whose float32 would otherwise quietly become bf16 matmuls.
+    generates_in_trainer_precision: bool = False
 
     # ---- the class: settings, checks, construction ---------------------------------------------
     @classmethod

@@ -12,6 +12,16 @@ fraction of the cost; (2) `generate` fills every setting left unset from the mod
 `generation_config.json` (an instruct model's repetition penalty, temperature, top-p), a different
 distribution from the one the trainer scores; here the sampler is `logprobs.filter_logits`, the
 very function the trainer scores with; (3) the n samples of a prompt share one prefill.
+
+Its key/value cache (`rollout.hf_decode`): `dynamic` grows with each token and lets a prompt's n
+samples share one prefill, the fast choice on CPU; `static` preallocates the whole sequence (fixed
+shapes; every row prefills its own prompt); `compiled` adds a `torch.compile(mode="reduce-overhead")`
+graph for the one-token step, which on a GPU replays the step as a CUDA graph: eager decoding of a
+small model there is bound by the launch of each of its hundreds of kernels per token (SmolLM2 on an
+H100: 442 tokens/s). `auto` is `compiled` on CUDA and `dynamic` on CPU. On CUDA the loop also asks
+the device whether every row has ended only every `CUDA_CHECK_EVERY` tokens (each ask is a host
+sync); rows that ended meanwhile decode padding, so the samples do not change. The compiled path is
+checked here on CPU (same tokens as `dynamic`); its GPU speed is untested (no GPU was lent).
 """
 
 from __future__ import annotations
@@ -47,19 +57,22 @@ def _attention(model, implementation: str | None):
 
 
 ATTENTION_CHOICES = ("auto", "model", "eager", "sdpa")  # rollout.hf_attention
+DECODE_CHOICES = ("auto", "dynamic", "static", "compiled")  # rollout.hf_decode
+CUDA_CHECK_EVERY = 8  # tokens between the loop's "has every row ended?" host syncs on CUDA (1 on CPU)
+CACHE_BUCKET = 64  # a static cache's length is rounded up to this, so prompts of similar length share a graph
 
 
 class HFEngine(RolloutEngine):
     name = "hf"
+    generates_in_trainer_precision = True  # the live policy: under bf16-mixed, bf16 as in training_step
 
     @classmethod
     def check(cls, ctx: EngineContext) -> None:
-        cls.refuse_options(ctx, "rollout.hf_attention and rollout.batch_size")
-        choice = ctx.rollout.hf_attention
-        if choice not in ATTENTION_CHOICES:
-            raise ConfigError(
-                f"rollout.hf_attention={choice!r} is not one of: {', '.join(ATTENTION_CHOICES)}"
-            )
+        cls.refuse_options(ctx, "rollout.hf_attention, rollout.hf_decode and rollout.batch_size")
+        for key, choices in (("hf_attention", ATTENTION_CHOICES), ("hf_decode", DECODE_CHOICES)):
+            choice = getattr(ctx.rollout, key)
+            if choice not in choices:
+                raise ConfigError(f"rollout.{key}={choice!r} is not one of: {', '.join(choices)}")
 
     @classmethod
     def logprobs_match_trainer(cls, model_dtype: str) -> bool:
@@ -69,15 +82,20 @@ class HFEngine(RolloutEngine):
 
     @classmethod
     def create(cls, ctx: EngineContext) -> HFEngine:
-        attention = hf_attention(ctx.rollout.hf_attention, ctx.model_path)
+        attention = hf_attention(ctx.rollout.hf_attention, ctx.model_path, cuda=ctx.on_cuda)
         if attention is not None:
             log.info("the HF engine generates with %s attention (rollout.hf_attention=%s)",
                      attention, ctx.rollout.hf_attention)  # fmt: skip
+        decoding = hf_decode(ctx.rollout.hf_decode, cuda=ctx.on_cuda)
+        if decoding != "dynamic":
+            log.info("the HF engine decodes with a %s key/value cache (rollout.hf_decode=%s)",
+                     decoding, ctx.rollout.hf_decode)  # fmt: skip
         return cls(
             ctx.rollout.sampling,
             batch_size=ctx.rollout.batch_size,
             share_prompt=ctx.share_prompt,
             attention=attention,
+            decoding=decoding,
             **ctx.token_ids(),
         )
 
@@ -88,17 +106,23 @@ class HFEngine(RolloutEngine):
         batch_size: int = 512,
         share_prompt: bool = True,
         attention: str | None = None,
+        decoding: str = "dynamic",
         **token_ids: int | list[int],
     ):
         """`token_ids`: the base engine's `eos_token_ids` and `pad_token_id`. `share_prompt`: a
         prompt's n samples share one prefill (`shared_prefill`). Under bf16-mixed the DataModule
         calls it inside the precision plugin's autocast, so it samples in the training dtype.
-        `attention`: the attention implementation while generating (None: the model's own)."""
+        `attention`: the attention implementation while generating (None: the model's own).
+        `decoding`: dynamic | static | compiled (`hf_decode` resolves `auto`)."""
         super().__init__(sampling, **token_ids)
+        if decoding not in DECODE_CHOICES[1:]:
+            choices = ", ".join(DECODE_CHOICES[1:])
+            raise ConfigError(f"rollout.hf_decode={decoding!r} is not one of: {choices}")
         self.batch_size = batch_size  # sequences per decoding call (memory bound)
-        self.share_prompt, self.attention = share_prompt, attention
+        self.share_prompt, self.attention, self.decoding = share_prompt, attention, decoding
         self.model = None
         self.unsharded = False
+        self._compiled_step = None  # torch.compile of `one_token_logits`, built at the first compiled call
 
     def sync(self, weights: PolicyWeights, version: int | None = None, *, force: bool = False) -> None:
         """Point at the live policy (`weights.module`: sampling in place, no copy, the trainer's own
@@ -152,6 +176,9 @@ class HFEngine(RolloutEngine):
                     eos_token_ids=self.eos_token_ids,
                     pad_token_id=self.pad_token_id,
                     generator=generator,
+                    cache="dynamic" if self.decoding == "dynamic" else "static",
+                    step=self._step_function(),
+                    check_every=CUDA_CHECK_EVERY if device.type == "cuda" else 1,
                 )  # [b, C], [b, C]
             for t, lp in zip(tokens.tolist(), logprobs.tolist()):
                 out.append(self.cut_at_eos(t, lp))
@@ -159,17 +186,35 @@ class HFEngine(RolloutEngine):
             self.model.train()
         return [out[g * n : (g + 1) * n] for g in range(len(prompt_ids))]
 
+    def _step_function(self):
+        """The one-token step: `one_token_logits`, compiled once per engine for `compiled` (a sharded
+        policy's FSDP hooks stay eager: its step is not compiled)."""
+        if self.decoding != "compiled" or is_sharded(self.model):
+            return one_token_logits
+        if self._compiled_step is None:
+            self._compiled_step = torch.compile(one_token_logits, mode="reduce-overhead", dynamic=False)
+        return self._compiled_step
 
-def hf_attention(name: str, model_path: str) -> str | None:
+
+def hf_decode(name: str, *, cuda: bool) -> str:
+    """`rollout.hf_decode` -> the decoding loop's cache: auto is compiled on CUDA, dynamic on CPU
+    (where a compiled step saves no launches and the shared prefill is worth more)."""
+    if name == "auto":
+        return "compiled" if cuda else "dynamic"
+    return name
+
+
+def hf_attention(name: str, model_path: str, *, cuda: bool | None = None) -> str | None:
     """`rollout.hf_attention` -> the implementation the HF engine generates with (None: the model's).
 
     auto: eager on CPU for models of hidden size 512 and more, the model's own otherwise. Measured
     on the 2-core CPU: SmolLM2-135M (576 wide, 9 heads), 32 rows x 24 tokens: the attention of a
     rollout takes 0.16 s through eager's plain matmuls against 0.74 s through sdpa's CPU kernel
     (one-token queries); the tiny default model (128 wide, 2 heads) generates 15% faster with sdpa.
-    On GPU the model's own (sdpa or flash attention) is the fast one."""
+    On GPU the model's own (sdpa or flash attention) is the fast one. `cuda`: whether the run trains on
+    CUDA (None: whether a device is available)."""
     if name == "auto":
-        if cuda_available():
+        if cuda_available() if cuda is None else cuda:
             return None
         from transformers import AutoConfig
 
@@ -189,6 +234,18 @@ def sample_tokens(logp: torch.Tensor, generator: torch.Generator | None) -> torc
     return picked.clamp(max=cdf.shape[-1] - 1).squeeze(-1)  # [b]
 
 
+def one_token_logits(model, input_ids, position_ids, attention_mask, past_key_values) -> torch.Tensor:
+    """The next-token logits [b, V] of one decoding step: `input_ids`, `position_ids` [b, 1] against
+    the cache (what `rollout.hf_decode=compiled` turns into one CUDA graph)."""
+    return model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                 past_key_values=past_key_values, use_cache=True).logits[:, -1]  # fmt: skip
+
+
+def static_cache_length(prompt_length: int, max_new_tokens: int) -> int:
+    """A static cache's length: prompt and completion, rounded up to `CACHE_BUCKET` tokens."""
+    return -(-(prompt_length + max_new_tokens) // CACHE_BUCKET) * CACHE_BUCKET
+
+
 @torch.no_grad()
 def decode(
     model,
@@ -201,33 +258,49 @@ def decode(
     eos_token_ids: list[int],
     pad_token_id: int,
     generator: torch.Generator | None = None,
+    cache: str = "dynamic",
+    step=one_token_logits,
+    check_every: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Completions of left-padded prompts `ids`, `mask` [b, P]: tokens and their log-probs [b, C].
 
     `sampling` None: greedy (argmax, log-probs 0). Otherwise each token is drawn from the sampler's
     distribution, softmax(logits / temperature) truncated to top-k / top-p by the trainer's own
     `filter_logits`, and its log-prob is under that distribution. Rows that ended (any EOS id)
-    continue with padding until every row has ended or the limit is reached. `prefill_group` > 1: rows
-    come in groups of that many copies of a prompt, which share one prefill (`shared_prefill`).
+    continue with padding until every row has ended or the limit is reached. `cache`: dynamic (a
+    growing key/value cache; `prefill_group` > 1: rows come in groups of that many copies of a prompt,
+    which share one prefill, `shared_prefill`) or static (preallocated; every row prefills). `step`:
+    the one-token step (`one_token_logits`, or a compiled version of it). `check_every`: tokens between
+    checks that every row has ended (each one a host sync on CUDA); the samples do not depend on it.
     """
-    from transformers import DynamicCache
+    from transformers import DynamicCache, StaticCache
 
     from loorl.algo.logprobs import filter_logits
 
+    b, prompt_length = ids.shape
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [b, P] left padding does not shift them
-    if prefill_group > 1 and ids.shape[1] > 1:
-        cache = shared_prefill(model, ids[::prefill_group], mask[::prefill_group], prefill_group)
-        fresh = {"input_ids": ids[:, -1:], "position_ids": positions[:, -1:]}  # the last prompt token
+    if cache == "static":
+        length = static_cache_length(prompt_length, max_new_tokens)  # L
+        kv = StaticCache(config=model.config, max_cache_len=length)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=kv,
+                       use_cache=True, logits_to_keep=1).logits[:, -1]  # fmt: skip  # [b, V]
+        full_mask = mask.new_zeros(b, kv.max_cache_len)  # [b, L] fixed shape: positions to come are 0
+        full_mask[:, :prompt_length] = mask
     else:
-        cache = DynamicCache(config=model.config)
-        fresh = {"input_ids": ids, "position_ids": positions}
-    logits = model(**fresh, attention_mask=mask, past_key_values=cache, use_cache=True,
-                   logits_to_keep=1).logits[:, -1]  # fmt: skip  # [b, V]
+        if prefill_group > 1 and prompt_length > 1:
+            kv = shared_prefill(model, ids[::prefill_group], mask[::prefill_group], prefill_group)
+            fresh = {"input_ids": ids[:, -1:], "position_ids": positions[:, -1:]}  # the last prompt token
+        else:
+            kv = DynamicCache(config=model.config)
+            fresh = {"input_ids": ids, "position_ids": positions}
+        logits = model(**fresh, attention_mask=mask, past_key_values=kv, use_cache=True,
+                       logits_to_keep=1).logits[:, -1]  # fmt: skip  # [b, V]
+    compiled_on_cuda = step is not one_token_logits and ids.device.type == "cuda"
     stops = torch.tensor(eos_token_ids, device=ids.device)
-    next_position = positions[:, -1] + 1  # [b]
-    ended = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)  # [b]
+    next_position = positions[:, -1:] + 1  # [b, 1]
+    ended = torch.zeros(b, dtype=torch.bool, device=ids.device)  # [b]
     tokens, logprobs = [], []
-    for step in range(max_new_tokens):
+    for i in range(max_new_tokens):
         if sampling is None:
             token = logits.argmax(-1)  # [b]
             logp = torch.zeros(token.shape, device=ids.device)  # [b]
@@ -241,11 +314,17 @@ def decode(
         tokens.append(token)
         logprobs.append(logp)
         ended |= torch.isin(token, stops)
-        if bool(ended.all()) or step == max_new_tokens - 1:
+        if i == max_new_tokens - 1 or ((i + 1) % check_every == 0 and bool(ended.all())):
             break
-        mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)  # [b, P + step + 1]
-        logits = model(input_ids=token[:, None], attention_mask=mask, position_ids=next_position[:, None],
-                       past_key_values=cache, use_cache=True).logits[:, -1]  # fmt: skip  # [b, V]
+        if cache == "static":
+            full_mask[:, prompt_length + i] = 1
+            step_mask = full_mask  # [b, L]
+        else:
+            mask = torch.cat([mask, mask.new_ones(b, 1)], dim=1)  # [b, P + i + 1]
+            step_mask = mask
+        if compiled_on_cuda:  # each replay of the CUDA graph starts a new step of its memory pool
+            torch.compiler.cudagraph_mark_step_begin()
+        logits = step(model, token[:, None], next_position, step_mask, kv)  # [b, V]
         next_position = next_position + 1
     return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)  # [b, C], [b, C]
 

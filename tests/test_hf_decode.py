@@ -1,0 +1,106 @@
+"""`rollout.hf_decode`: the HF engine's key/value cache (dynamic, static) and its compiled one-token
+step. Checked on the real tiny Qwen2 model: every loop draws the same samples for a seed, and asking
+"has every row ended?" less often changes nothing. The speed of the compiled step on a GPU (the
+reason it exists) needs CUDA: `tests/test_gpu.py`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hydra.utils import instantiate
+
+from loorl.errors import ConfigError
+from loorl.models.load import load_causal_lm, load_tokenizer
+from loorl.models.tiny import ensure_tiny_model
+from loorl.rollout.engine import EngineContext
+from loorl.rollout.hf_engine import HFEngine, decode, hf_decode, static_cache_length
+from loorl.types import SamplingConfig
+from loorl.util.padding import pad
+
+
+@pytest.fixture(scope="module")
+def tiny(quick_config):
+    cfg = quick_config()
+    task = instantiate(cfg.task)
+    path = str(ensure_tiny_model(cfg.model, cfg.task, task))
+    tok = load_tokenizer(path)
+    ids = [tok(p.text, add_special_tokens=False).input_ids for p in task.eval_prompts()[:6]]
+    assert len({len(i) for i in ids}) > 1  # left padding is exercised
+    return tok, load_causal_lm(path, dtype="float32"), ids
+
+
+def _samples(tiny, decoding: str, *, greedy: bool = False, n: int = 4, **sampling):
+    tok, model, ids = tiny
+    engine = HFEngine(
+        SamplingConfig(**{"max_new_tokens": 5, **sampling}),
+        decoding=decoding,
+        eos_token_ids=[tok.eos_token_id],
+        pad_token_id=tok.pad_token_id,
+    )
+    engine.sync(model)
+    return engine.generate(ids, n=1 if greedy else n, greedy=greedy, seed=None if greedy else 11)
+
+
+def _same(a, b, *, atol: float = 1e-5) -> None:
+    for group_a, group_b in zip(a, b, strict=True):
+        for x, y in zip(group_a, group_b, strict=True):
+            assert x.token_ids == y.token_ids and x.finished == y.finished
+            assert torch.allclose(torch.tensor(x.logprobs), torch.tensor(y.logprobs), atol=atol)
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.7, "top_k": 5}])
+def test_a_static_cache_draws_the_samples_of_a_dynamic_one(tiny, sampling):
+    _same(_samples(tiny, "dynamic", greedy=True), _samples(tiny, "static", greedy=True))
+    _same(_samples(tiny, "dynamic", **sampling), _samples(tiny, "static", **sampling))
+
+
+def test_the_compiled_step_draws_the_samples_of_the_eager_loop(tiny):
+    """torch.compile on CPU (inductor; CUDA graphs are skipped there): the same tokens and log-probs."""
+    _same(_samples(tiny, "dynamic", greedy=True), _samples(tiny, "compiled", greedy=True))
+    _same(_samples(tiny, "dynamic", temperature=0.7), _samples(tiny, "compiled", temperature=0.7), atol=1e-4)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_checking_for_the_end_less_often_changes_no_sample(tiny, cache):
+    """On CUDA the loop asks whether every row ended every few tokens (a host sync each): rows that
+    ended decode padding meanwhile, and the samples (cut at EOS) are the same."""
+    tok, model, ids = tiny
+    rows, mask = pad([i for i in ids for _ in range(3)], value=tok.pad_token_id, side="left")  # [b, P]
+    runs = []
+    for check_every in (1, 8):
+        generator = torch.Generator().manual_seed(3)
+        runs.append(
+            decode(
+                model.eval(),
+                rows,
+                mask,
+                sampling=SamplingConfig(max_new_tokens=12),
+                max_new_tokens=12,
+                prefill_group=3 if cache == "dynamic" else 1,
+                eos_token_ids=[tok.eos_token_id],
+                pad_token_id=tok.pad_token_id,
+                generator=generator,
+                cache=cache,
+                check_every=check_every,
+            )
+        )
+    (tokens_1, logp_1), (tokens_8, logp_8) = runs  # [b, C1], [b, C8] with C8 >= C1
+    width = tokens_1.shape[1]
+    assert tokens_8.shape[1] >= width
+    assert torch.equal(tokens_8[:, :width], tokens_1)
+    assert (tokens_8[:, width:] == tok.pad_token_id).all()  # every row had ended: padding only
+    assert torch.equal(logp_8[:, :width], logp_1)
+
+
+def test_auto_compiles_on_cuda_only_and_bad_choices_are_one_line(quick_cfg):
+    assert hf_decode("auto", cuda=True) == "compiled" and hf_decode("auto", cuda=False) == "dynamic"
+    assert hf_decode("static", cuda=True) == "static"
+    assert static_cache_length(20, 5) == 64 and static_cache_length(60, 5) == 128
+    from loorl.config import load_settings
+
+    s = load_settings(quick_cfg("rollout=hf", "rollout.hf_decode=graphs"))
+    with pytest.raises(ConfigError) as err:
+        HFEngine.check(EngineContext(rollout=s.rollout))
+    assert "\n" not in str(err.value) and "rollout.hf_decode='graphs'" in str(err.value)
+    assert "compiled" in str(err.value)
+    assert load_settings(quick_cfg("rollout=hf")).rollout.hf_decode == "auto"
