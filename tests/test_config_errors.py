@@ -98,6 +98,31 @@ CASES = [
     (["+kl.coeff=0.1"], "kl.coeff", ["not a setting"]),
     (["model.recipe.lr=0"], "model.recipe.lr", ["greater than 0"]),
     (["model.tiny=null"], "model.tiny", ["model.name_or_path"]),
+    # LoRA (model.lora): checked from the settings and the model's config alone, before any weights load
+    (["model.lora={r: 0}"], "model.lora.r", ["greater than 0"]),
+    (["model.lora={dropout: 1.0}"], "model.lora.dropout", ["less than 1"]),
+    (
+        ["model.lora={}", "model.dtype=bfloat16", "model.master_dtype=bfloat16"],
+        "model.master_dtype=bfloat16",
+        ["model.lora", "model.master_dtype=float32"],
+    ),
+    (
+        ["model.lora={base_dtype: bfloat16}"],
+        "model.lora.base_dtype=bfloat16",
+        ["float32", "model.dtype=bfloat16"],
+    ),
+    (["model.lora={}", "model.ref_offload=true"], "model.ref_offload=true", ["model.ref_offload=false"]),
+    (["model.lora={target_modules: []}"], "model.lora.target_modules", ["q_proj"]),
+    (
+        ["model.lora={target_modules: [q_proj, qkv, mlp]}"],
+        "model.lora.target_modules",
+        ["Qwen2ForCausalLM", "qkv, mlp", "down_proj"],
+    ),
+    (
+        ["model.lora={target_modules: [q_proj, lm_head]}", "model.tiny.tie_embeddings=true"],
+        "model.lora.target_modules",
+        ["lm_head", "ties", "leave it out"],
+    ),
 ]
 
 
@@ -107,6 +132,17 @@ def test_bad_setting_fails_in_one_line(tmp_path, bad_cfg, overrides, setting, wo
     assert setting in msg
     for word in words:
         assert word in msg
+
+
+def test_lora_without_peft_fails_in_one_line(tmp_path, bad_cfg, monkeypatch):
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "peft" else find_spec(name, *a)
+    )
+    msg = train_fails(tmp_path, bad_cfg("model.lora={r: 8}"))
+    assert "model.lora" in msg and 'pip install -e ".[lora]"' in msg
 
 
 def test_hub_model_offline_fails_fast_with_the_fix(tmp_path, bad_cfg, monkeypatch):

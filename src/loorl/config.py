@@ -13,6 +13,7 @@ from omegaconf.errors import InterpolationResolutionError
 from loorl import resolvers
 from loorl.algo import estimators
 from loorl.errors import ConfigError
+from loorl.models.lora import check_lora
 from loorl.models.sources import check_model_reachable, pretrained_path
 from loorl.parallel.distributed import check_world_divides
 from loorl.rollout.engine import EngineContext
@@ -138,6 +139,7 @@ def check_config(cfg: DictConfig) -> Settings:
     check_optimizer(cfg.optimizer)
     check_rewards(cfg)
     check_model_reachable(s.model)
+    check_lora(s.model)  # peft installed; the targets from the model's config alone (meta device)
     check_parallel(cfg, s)
     engine, _ = engine_class(s.rollout, cuda=s.on_cuda)  # the engine checks its own settings
     context = {"model_dtype": s.model.dtype, "model": s.model, "model_path": pretrained_path(s.model)}

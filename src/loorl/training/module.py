@@ -37,6 +37,7 @@ from loorl.algo.logprobs import (
 )
 from loorl.algo.objectives import LossStats, policy_loss, token_loss_of
 from loorl.models.load import load_causal_lm
+from loorl.models.lora import apply_lora
 from loorl.parallel.distributed import all_reduce, gather_rows, rank_and_world
 from loorl.parallel.fsdp import clip_grad_norm_
 from loorl.settings import (
@@ -160,10 +161,13 @@ class PolicyGradientModule(L.LightningModule):
                 m.master_dtype, m.master_dtype, m.master_dtype,
             )  # fmt: skip
         load = {"attn_implementation": m.attn_implementation}
-        self.policy = load_causal_lm(self.model_path, dtype=m.master_dtype, **load)
+        dtype = m.master_dtype if m.lora is None else m.lora.base_dtype  # LoRA: frozen weights need no master
+        self.policy = load_causal_lm(self.model_path, dtype=dtype, **load)
         self.policy.train()  # from_pretrained returns eval mode; gradient checkpointing needs train mode
         if m.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
+        if m.lora is not None:  # adapters over frozen weights; the optimizer then sees only the adapters
+            self.policy = apply_lora(self.policy, m.lora, seed=self.seed)
         strategy = self.trainer.strategy if self._trainer is not None else None
         shard = getattr(strategy, "shard", None)  # strategy=fsdp (loorl.training.strategies.FSDPStrategy)
         if shard is not None:

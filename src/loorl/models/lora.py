@@ -1,0 +1,136 @@
+"""LoRA policies with peft: adapters over frozen base weights.
+
+- `apply_lora(model, lora, seed=)`: peft's `get_peft_model` over the loaded policy; only the adapters
+  train. Their initial values (A Kaiming-uniform, B zero: peft's defaults) come from torch's CPU
+  generator seeded with the run's seed inside `fork_rng`: every rank and every resume builds the same
+  adapters, and the run's own random stream is left as it was.
+- `check_target_modules`: every target names a linear layer of the model, in one line otherwise; before
+  any model loads from its config alone (`check_lora`, a module tree on the meta device), and
+  again on the loaded model.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+
+import torch
+
+from loorl.errors import ConfigError
+from loorl.settings import LoraSettings, ModelSettings
+
+
+def is_lora(model) -> bool:
+    """Whether `model` is a peft model (also when FSDP has swapped in its subclass). Imports nothing:
+    a model can only be one if peft was imported."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(model, peft.PeftModel)
+
+
+# ---- targets -----------------------------------------------------------------------------------
+def linear_names(model: torch.nn.Module) -> list[str]:
+    """The names of the model's `nn.Linear` modules (the layers LoRA can adapt here)."""
+    return [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+
+
+def matches(name: str, target: str) -> bool:
+    """peft's rule for a list of target names: the module's name, or its last dotted parts."""
+    return name == target or name.endswith("." + target)
+
+
+def check_target_modules(
+    targets: Iterable[str], linear: list[str], *, model_name: str, tied_output: str | None = None
+) -> None:
+    """One ConfigError line unless every target matches a linear layer in `linear`. `tied_output`: the
+    output layer's name when it shares the input embedding's weight, which an adapter would untie (an
+    engine that loads tied weights would then sample without it)."""
+    targets = list(targets)
+    missing = [t for t in targets if not any(matches(n, t) for n in linear)]
+    if missing:
+        leaves = sorted({n.rpartition(".")[2] for n in linear})
+        raise ConfigError(
+            f"model.lora.target_modules={targets}: {model_name} has no linear layer named "
+            f"{', '.join(missing)}; name some of its linear layers: {', '.join(leaves)}"
+        )
+    if tied_output is not None and any(matches(tied_output, t) for t in targets):
+        raise ConfigError(
+            f"model.lora.target_modules={targets} adapts {tied_output}, which {model_name} ties to its input "
+            "embedding: leave it out of model.lora.target_modules"
+        )
+
+
+def tied_output_name(model: torch.nn.Module) -> str | None:
+    """The output layer's module name when its weight is the input embedding's, else None."""
+    out, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    if out is None or emb is None or out.weight is not emb.weight:
+        return None
+    return next(name for name, module in model.named_modules() if module is out)
+
+
+def skeleton(model: ModelSettings) -> torch.nn.Module | None:
+    """The policy's module tree on the meta device (no weights, no memory) from its config alone; None
+    where the config cannot be read without fetching or building anything (a GGUF model before its
+    conversion, a hub model outside the local cache): `apply_lora` checks the loaded model then."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from loorl.models.sources import pretrained_path
+    from loorl.models.tiny import tiny_config
+
+    path = pretrained_path(model)
+    if path is None and model.tiny is None:
+        return None
+    try:
+        config = tiny_config(model.tiny) if path is None else AutoConfig.from_pretrained(path)
+    except (OSError, ValueError):
+        return None
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def check_lora(model: ModelSettings) -> None:
+    """peft is installed and `model.lora.target_modules` name linear layers of the model, checked before
+    any weights load; one ConfigError line otherwise."""
+    if model.lora is None:
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("peft") is None:
+        raise ConfigError('model.lora needs the peft package: pip install -e ".[lora]" (or model.lora=null)')
+    if (tree := skeleton(model)) is None:
+        return
+    check_target_modules(
+        model.lora.target_modules,
+        linear_names(tree),
+        model_name=type(tree).__name__,
+        tied_output=tied_output_name(tree),
+    )
+
+
+# ---- building ----------------------------------------------------------------------------------
+def apply_lora(model, lora: LoraSettings, *, seed: int):
+    """`model` (a transformers causal LM, its own weights frozen by peft) with LoRA adapters on the
+    target layers: a `PeftModel`. The adapters' initial values are a function of `seed` alone."""
+    from peft import LoraConfig, get_peft_model
+
+    check_target_modules(
+        lora.target_modules,
+        linear_names(model),
+        model_name=type(model).__name__,
+        tied_output=tied_output_name(model),
+    )
+    config = LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.lora_alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return get_peft_model(model, config)
+
+
+def adapter_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
+    """The adapters' (name, parameter) pairs: the parameters that train."""
+    return [(n, p) for n, p in model.named_parameters() if ".lora_" in n]

@@ -1,0 +1,154 @@
+"""LoRA policies (`model.lora`, peft): the settings and their checks, adapters that start as a function
+of the seed, an optimizer that sees only the adapters, gradient checkpointing that reaches them.
+
+One real quick run (`train`, 2 RL steps, LoRA r 4, KL in the reward) is the fixture; its checkpoint is
+loaded into a fresh module for the tests that need the trained policy in hand.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from hydra.utils import instantiate
+
+from fixtures import ON_CPU
+from loorl.algo.logprobs import completion_logprobs
+from loorl.build import build_datamodule, build_module
+from loorl.cli.train import train
+from loorl.models.load import load_causal_lm, load_tokenizer
+from loorl.models.lora import adapter_parameters, apply_lora
+from loorl.models.tiny import ensure_tiny_model
+from loorl.rollout.engine import PolicyWeights
+from loorl.settings import LORA_DEFAULT_TARGETS, LoraSettings
+
+pytest.importorskip("peft")
+
+LORA = ("model.lora={r: 4}", "kl.coef=0.05")  # KL folded into the reward: the reference is needed
+RUN = ("rl.steps=2", "val_every=2", "checkpoint_every=1", *ON_CPU)
+
+
+@dataclass
+class Trained:
+    module: Any
+    tok: Any
+    path: str
+    batch: Any  # RolloutBatch
+    prompts: list[list[int]]
+
+
+@pytest.fixture(scope="module")
+def lora_run(quick_config, tmp_path_factory):
+    """`python src/train.py debug=quick model.lora='{r: 4}' kl.coef=0.05 rl.steps=2 ...`: the run folder."""
+    run = tmp_path_factory.mktemp("lora") / "run"
+    train(quick_config(*LORA, *RUN, output_dir=run))
+    return run
+
+
+@pytest.fixture(scope="module")
+def trained(quick_config, lora_run):
+    """A fresh module with the run's last checkpoint loaded (the adapters after 2 steps), its tokenizer
+    and model path, a rollout batch sampled from it with the HF engine, and that step's prompts."""
+    cfg = quick_config(*LORA, *RUN, output_dir=lora_run)
+    task = instantiate(cfg.task)
+    path = str(ensure_tiny_model(cfg.model, cfg.task, task))
+    tok = load_tokenizer(path)
+    module = build_module(cfg, path)
+    module.configure_model()
+    ckpt = torch.load(lora_run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    module.load_state_dict(ckpt["state_dict"])  # strict: only the frozen base weights may be missing
+    dm = build_datamodule(cfg, task, tok, path)
+    dm.engine.sync(PolicyWeights(module.policy))
+    batch = dm.collect(step=0).batch
+    prompts = [tok(p.text, add_special_tokens=False).input_ids for p in dm.prompts_for_step(0)]
+    return Trained(module, tok, path, batch, prompts)
+
+
+def _logprobs(model, batch, module) -> torch.Tensor:
+    with torch.no_grad():
+        return completion_logprobs(model, batch, sampling=module.sampling)  # [N, C]
+
+
+# ---- config ------------------------------------------------------------------------------------
+def test_every_model_config_has_lora_off_by_default(make_config):
+    from loorl.config import CONF_DIR, load_settings
+
+    for path in sorted((CONF_DIR / "model").glob("*.yaml")):
+        cfg = make_config(f"model={path.stem}")
+        assert "lora" in cfg.model and cfg.model.lora is None, path.name
+    lora = load_settings(make_config("model.lora={r: 8}")).model.lora
+    assert lora == LoraSettings(r=8) and lora.lora_alpha == 16 and lora.target_modules == LORA_DEFAULT_TARGETS
+
+
+def test_a_target_the_loaded_model_lacks_fails_in_one_line(quick_config):
+    """The same check as before loading (tests/test_config_errors.py), on the model itself: where its
+    config could not be read beforehand (a GGUF model before its conversion)."""
+    from loorl.errors import ConfigError
+
+    cfg = quick_config()
+    path = ensure_tiny_model(cfg.model, cfg.task, instantiate(cfg.task))
+    model, lora = load_causal_lm(str(path), dtype="float32"), LoraSettings(target_modules=("q_proj", "qkv"))
+    with pytest.raises(ConfigError, match=r"model.lora.target_modules=\['q_proj', 'qkv'\]: .* qkv; ") as err:
+        apply_lora(model, lora, seed=0)
+    assert "\n" not in str(err.value)
+
+
+def test_the_adapters_start_as_a_function_of_the_seed_alone(quick_config):
+    cfg = quick_config()
+    path = str(ensure_tiny_model(cfg.model, cfg.task, instantiate(cfg.task)))
+
+    def adapters(seed):
+        model = apply_lora(load_causal_lm(path, dtype="float32"), LoraSettings(r=4), seed=seed)
+        return {n: p.detach().clone() for n, p in adapter_parameters(model)}
+
+    torch.manual_seed(123)
+    before = torch.rand(3)
+    torch.manual_seed(123)
+    first = adapters(0)
+    assert torch.equal(torch.rand(3), before)  # the global stream is left as it was
+    torch.manual_seed(999)
+    again, other = adapters(0), adapters(1)
+    assert all(torch.equal(first[n], again[n]) for n in first)
+    assert any(not torch.equal(first[n], other[n]) for n in first if ".lora_A." in n)
+    assert all(not t.any() for n, t in first.items() if ".lora_B." in n)  # B = 0: the base model exactly
+
+
+# ---- the optimizer ------------------------------------------------------------------------------
+def test_the_optimizer_holds_only_the_adapters(lora_run, trained):
+    module = trained.module
+    ckpt = torch.load(lora_run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    (opt,) = ckpt["optimizer_states"]
+    adapters = adapter_parameters(module.policy)
+    assert sum(len(g["params"]) for g in opt["param_groups"]) == len(adapters)
+    moments = sum(s["exp_avg"].numel() for s in opt["state"].values())
+    assert moments == sum(p.numel() for _, p in adapters)
+    trainable = [p for p in module.policy.parameters() if p.requires_grad]
+    assert sum(p.numel() for p in trainable) == moments  # what configure_optimizers passes (requires_grad)
+    assert moments < 0.1 * sum(p.numel() for p in module.policy.parameters())
+
+
+# ---- memory options ----------------------------------------------------------------------------
+def test_gradient_checkpointing_gives_the_adapters_their_gradients(trained):
+    """Frozen embeddings feed the checkpointed layers an input that needs no gradient: the adapters
+    inside them must still get theirs, the same as without checkpointing."""
+    module, path, batch = trained.module, trained.path, trained.batch
+
+    def adapter_grads(checkpointing: bool) -> dict[str, torch.Tensor]:
+        model = load_causal_lm(path, dtype="float32").train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        model = apply_lora(model, LoraSettings(r=4), seed=0)
+        with torch.no_grad():  # B != 0, so that A gets a gradient too
+            for name, p in adapter_parameters(model):
+                p.copy_(dict(adapter_parameters(module.policy))[name])
+        logp = completion_logprobs(model, batch, sampling=module.sampling)  # [N, C]
+        (logp * batch.completion_mask).sum().backward()
+        return {n: p.grad for n, p in adapter_parameters(model)}
+
+    plain, checkpointed = adapter_grads(False), adapter_grads(True)
+    for name, g in plain.items():
+        assert g is not None and g.abs().max() > 0, name
+        assert checkpointed[name] is not None, name
+        assert (checkpointed[name] - g).abs().max() <= 1e-5 * g.abs().max(), name
