@@ -1,5 +1,6 @@
 """LoRA policies (`model.lora`, peft): the settings and their checks, adapters that start as a function
-of the seed, an optimizer that sees only the adapters, gradient checkpointing that reaches them.
+of the seed, an optimizer that sees only the adapters, gradient checkpointing that reaches them, and the
+reference for free: the base weights with the adapters off (no second model; the KL starts at exactly 0).
 
 One real quick run (`train`, 2 RL steps, LoRA r 4, KL in the reward) is the fixture; its checkpoint is
 loaded into a fresh module for the tests that need the trained policy in hand.
@@ -7,6 +8,7 @@ loaded into a fresh module for the tests that need the trained policy in hand.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +21,7 @@ from loorl.algo.logprobs import completion_logprobs
 from loorl.build import build_datamodule, build_module
 from loorl.cli.train import train
 from loorl.models.load import load_causal_lm, load_tokenizer
-from loorl.models.lora import adapter_parameters, apply_lora
+from loorl.models.lora import AdapterFreeReference, adapter_parameters, apply_lora
 from loorl.models.tiny import ensure_tiny_model
 from loorl.rollout.engine import PolicyWeights
 from loorl.settings import LORA_DEFAULT_TARGETS, LoraSettings
@@ -71,6 +73,10 @@ def _logprobs(model, batch, module) -> torch.Tensor:
         return completion_logprobs(model, batch, sampling=module.sampling)  # [N, C]
 
 
+def _history(run) -> dict:
+    return json.loads((run / "metrics.json").read_text())["history"]
+
+
 # ---- config ------------------------------------------------------------------------------------
 def test_every_model_config_has_lora_off_by_default(make_config):
     from loorl.config import CONF_DIR, load_settings
@@ -115,7 +121,13 @@ def test_the_adapters_start_as_a_function_of_the_seed_alone(quick_config):
     assert all(not t.any() for n, t in first.items() if ".lora_B." in n)  # B = 0: the base model exactly
 
 
-# ---- the optimizer ------------------------------------------------------------------------------
+# ---- the optimizer, the reference, the KL --------------------------------------------------------
+def test_the_kl_is_exactly_zero_at_the_first_step(lora_run):
+    kl = [v for _, v in _history(lora_run)["rollout/kl"]]
+    assert kl[0] == 0.0  # B = 0: the policy is its reference bit for bit, scored by the same function
+    assert kl[1] != 0.0  # after one update the adapters move the policy
+
+
 def test_the_optimizer_holds_only_the_adapters(lora_run, trained):
     module = trained.module
     ckpt = torch.load(lora_run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
@@ -127,6 +139,30 @@ def test_the_optimizer_holds_only_the_adapters(lora_run, trained):
     trainable = [p for p in module.policy.parameters() if p.requires_grad]
     assert sum(p.numel() for p in trainable) == moments  # what configure_optimizers passes (requires_grad)
     assert moments < 0.1 * sum(p.numel() for p in module.policy.parameters())
+
+
+def test_no_second_copy_of_the_base_weights_exists(trained):
+    module = trained.module
+    reference = module.reference
+    assert isinstance(reference, AdapterFreeReference) and reference.model is module.policy
+    own = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    every = own | {p.untyped_storage().data_ptr() for p in reference.parameters()}
+    assert every == own  # the reference adds no storage
+    base = sum(p.numel() for p in load_causal_lm(module.model_path, dtype="float32").parameters())
+    adapters = sum(p.numel() for _, p in adapter_parameters(module.policy))
+    assert sum(p.numel() for p in module.parameters()) == base + adapters  # one base, plus the adapters
+    assert not [m for m in vars(module).values() if isinstance(m, torch.nn.Module) and m is not module.policy]
+
+
+def test_reference_logprobs_are_a_separately_loaded_base_models(trained):
+    module, path, batch = trained.module, trained.path, trained.batch
+    mask = batch.completion_mask.bool()  # [N, C]
+    ref = module.reference.completion_logprobs(batch, device=torch.device("cpu"), sampling=module.sampling)
+    base = _logprobs(load_causal_lm(path, dtype="float32"), batch, module)  # [N, C]
+    assert (ref[mask] - base[mask]).abs().max() < 1e-6
+    policy = _logprobs(module.policy, batch, module)  # the adapters are back on after the reference pass
+    assert (policy[mask] - base[mask]).abs().max() > 1e-3
+    assert all(p.requires_grad for _, p in adapter_parameters(module.policy))
 
 
 # ---- memory options ----------------------------------------------------------------------------

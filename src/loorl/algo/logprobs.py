@@ -219,6 +219,11 @@ class FrozenReference:
     lives on the training device, or in CPU memory with `offload` (scored there, results moved back).
     """
 
+    # False: the KL takes the policy's log-probs from the sampler where they match the trainer's; True:
+    # from a no-grad pass of the trainer's own (a reference that is the policy with its adapters off,
+    # `loorl.models.lora.AdapterFreeReference`, then differs from it by the adapters alone)
+    kl_from_policy_pass: bool = False
+
     def __init__(self, model, *, offload: bool = False) -> None:
         self.model, self.offload = model, offload
 

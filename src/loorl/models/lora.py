@@ -1,9 +1,11 @@
-"""LoRA policies with peft: adapters over frozen base weights.
+"""LoRA policies with peft: adapters over frozen base weights, and the base model as a free reference.
 
 - `apply_lora(model, lora, seed=)`: peft's `get_peft_model` over the loaded policy; only the adapters
   train. Their initial values (A Kaiming-uniform, B zero: peft's defaults) come from torch's CPU
   generator seeded with the run's seed inside `fork_rng`: every rank and every resume builds the same
   adapters, and the run's own random stream is left as it was.
+- `AdapterFreeReference`: the KL reference is the policy itself under peft's `disable_adapter()`, no
+  second model. B is zero at the start, so the policy is its reference bit for bit and the KL is 0.
 - `check_target_modules`: every target names a linear layer of the model, in one line otherwise; before
   any model loads from its config alone (`check_lora`, a module tree on the meta device), and
   again on the loaded model.
@@ -13,9 +15,11 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
+from contextlib import contextmanager
 
 import torch
 
+from loorl.algo.logprobs import FrozenReference
 from loorl.errors import ConfigError
 from loorl.settings import LoraSettings, ModelSettings
 
@@ -134,3 +138,28 @@ def apply_lora(model, lora: LoraSettings, *, seed: int):
 def adapter_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
     """The adapters' (name, parameter) pairs: the parameters that train."""
     return [(n, p) for n, p in model.named_parameters() if ".lora_" in n]
+
+
+@contextmanager
+def adapters_disabled(model):
+    """The block runs the base model: peft's `disable_adapter()`, under no_grad."""
+    with torch.no_grad(), model.disable_adapter():
+        yield
+
+
+class AdapterFreeReference(FrozenReference):
+    """The reference policy for free: the policy's own base weights, scored with the adapters switched
+    off (`adapters_disabled`) by the same function as a `FrozenReference`. No second model exists.
+
+    The KL then compares two passes of the trainer's own scoring (`kl_from_policy_pass`), which differ
+    only by the adapters: exactly 0 while B is 0, and free of the sampler's rounding noise (an HF
+    sampler's decode-step log-probs differ from a full-sequence pass by ~1e-7 per token)."""
+
+    kl_from_policy_pass = True
+
+    def __init__(self, policy) -> None:
+        super().__init__(policy, offload=False)
+
+    def completion_logprobs(self, batch, *, device: torch.device, **score) -> torch.Tensor:
+        with adapters_disabled(self.model):
+            return super().completion_logprobs(batch, device=device, **score)  # [N, C]

@@ -37,7 +37,7 @@ from loorl.algo.logprobs import (
 )
 from loorl.algo.objectives import LossStats, policy_loss, token_loss_of
 from loorl.models.load import load_causal_lm
-from loorl.models.lora import apply_lora
+from loorl.models.lora import AdapterFreeReference, apply_lora
 from loorl.parallel.distributed import all_reduce, gather_rows, rank_and_world
 from loorl.parallel.fsdp import clip_grad_norm_
 from loorl.settings import (
@@ -172,7 +172,9 @@ class PolicyGradientModule(L.LightningModule):
         shard = getattr(strategy, "shard", None)  # strategy=fsdp (loorl.training.strategies.FSDPStrategy)
         if shard is not None:
             shard(self.policy)
-        if self.kl.needs_reference:
+        if self.kl.needs_reference and m.lora is not None:
+            self.reference = AdapterFreeReference(self.policy)  # the base weights with the adapters off
+        elif self.kl.needs_reference:
             frozen = load_causal_lm(self.model_path, dtype=m.ref_dtype, trainable=False, **load)
             if shard is not None and strategy.shard_reference:
                 offload = m.ref_offload or strategy.offload_params  # FSDP's CPU offload, not moves
@@ -205,7 +207,10 @@ class PolicyGradientModule(L.LightningModule):
         }
         off_policy = self.rl.steps_per_rollout > 1
         policy_logprobs = None  # [N, C] the trained policy's, where they can differ from the sampler's
-        if off_policy or (self.reference is not None and not self.sampler_logprobs_match_trainer):
+        ref = self.reference
+        if off_policy or (
+            ref is not None and (ref.kl_from_policy_pass or not self.sampler_logprobs_match_trainer)
+        ):
             with cached_autocast(self.device):
                 policy_logprobs = completion_logprobs(self.policy, batch, **score)  # [N, C]
         batch = replace(batch, old_logprobs=policy_logprobs if off_policy else None)
