@@ -1,6 +1,8 @@
 """LoRA policies (`model.lora`, peft): the settings and their checks, adapters that start as a function
-of the seed, an optimizer that sees only the adapters, gradient checkpointing that reaches them, and the
-reference for free: the base weights with the adapters off (no second model; the KL starts at exactly 0).
+of the seed, an optimizer that sees only the adapters, gradient checkpointing that reaches them, the
+reference for free (the base weights with the adapters off: no second model; the KL starts at exactly
+0), an HF engine that samples the adapted policy, and merged weights under the base model's names for a
+copying engine.
 
 One real quick run (`train`, 2 RL steps, LoRA r 4, KL in the reward) is the fixture; its checkpoint is
 loaded into a fresh module for the tests that need the trained policy in hand.
@@ -8,6 +10,7 @@ loaded into a fresh module for the tests that need the trained policy in hand.
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -21,9 +24,10 @@ from loorl.algo.logprobs import completion_logprobs
 from loorl.build import build_datamodule, build_module
 from loorl.cli.train import train
 from loorl.models.load import load_causal_lm, load_tokenizer
-from loorl.models.lora import AdapterFreeReference, adapter_parameters, apply_lora
+from loorl.models.lora import AdapterFreeReference, adapter_parameters, apply_lora, is_lora
 from loorl.models.tiny import ensure_tiny_model
 from loorl.rollout.engine import PolicyWeights
+from loorl.rollout.hf_engine import HFEngine
 from loorl.settings import LORA_DEFAULT_TARGETS, LoraSettings
 
 pytest.importorskip("peft")
@@ -163,6 +167,44 @@ def test_reference_logprobs_are_a_separately_loaded_base_models(trained):
     policy = _logprobs(module.policy, batch, module)  # the adapters are back on after the reference pass
     assert (policy[mask] - base[mask]).abs().max() > 1e-3
     assert all(p.requires_grad for _, p in adapter_parameters(module.policy))
+
+
+# ---- the samplers ------------------------------------------------------------------------------
+def test_the_hf_engine_samples_the_adapted_policy(trained):
+    module, tok, path, batch, prompts = vars(trained).values()
+    mask = batch.completion_mask.bool()
+    # the fixture's batch was sampled by the run's HF engine synced to the module's policy
+    policy = _logprobs(module.policy, batch, module)
+    assert (policy[mask] - batch.sampler_logprobs[mask]).abs().max() < 1e-4
+    base = _logprobs(load_causal_lm(path, dtype="float32"), batch, module)
+    assert (base[mask] - batch.sampler_logprobs[mask]).abs().max() > 1e-3
+    # ... and a fresh engine on the base model draws other samples for the same seed
+    engine = HFEngine(module.sampling, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    engine.sync(PolicyWeights(module.policy))
+    adapted = engine.generate(prompts, n=4, seed=5)
+    engine.sync(PolicyWeights(load_causal_lm(path, dtype="float32")))
+    assert engine.generate(prompts, n=4, seed=5) != adapted
+
+
+def test_merged_weights_are_pefts_merge_under_the_base_models_names(trained):
+    module, path = trained.module, trained.path
+    live = {n: p.detach().clone() for n, p in module.policy.named_parameters()}
+    streamed = list(PolicyWeights(module.policy))
+    merged = dict(streamed)
+    assert len(merged) == len(streamed)  # each name once
+    expected = copy.deepcopy(module.policy).merge_and_unload().state_dict()
+    base = load_causal_lm(path, dtype="float32").state_dict()
+    assert set(merged) == set(expected) == set(base)  # (an adapted weight comes after its bias)
+    assert not [n for n in merged if "lora_" in n or ".base_layer" in n or n.startswith("base_model.")]
+    for name, tensor in merged.items():
+        assert tensor.shape == base[name].shape, name
+        assert torch.allclose(tensor, expected[name], rtol=0, atol=1e-6), name
+    assert any(not torch.equal(merged[n], base[n]) for n in base if "q_proj" in n)  # adapters in them
+    # the live model is untouched: still unmerged adapters, the same values
+    assert is_lora(module.policy) and all(
+        torch.equal(p, live[n]) for n, p in module.policy.named_parameters()
+    )
+    assert not any(getattr(m, "merged", False) for m in module.policy.modules())
 
 
 # ---- memory options ----------------------------------------------------------------------------

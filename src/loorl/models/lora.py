@@ -1,4 +1,5 @@
-"""LoRA policies with peft: adapters over frozen base weights, and the base model as a free reference.
+"""LoRA policies with peft: adapters over frozen base weights, the base model as a free reference, and
+the merged weights that a copying engine (vLLM) receives.
 
 - `apply_lora(model, lora, seed=)`: peft's `get_peft_model` over the loaded policy; only the adapters
   train. Their initial values (A Kaiming-uniform, B zero: peft's defaults) come from torch's CPU
@@ -6,6 +7,9 @@
   adapters, and the run's own random stream is left as it was.
 - `AdapterFreeReference`: the KL reference is the policy itself under peft's `disable_adapter()`, no
   second model. B is zero at the start, so the policy is its reference bit for bit and the KL is 0.
+- `merged_weights(tensors, scalings=)`: the base model's (name, tensor) pairs, each adapted linear's
+  weight W + (B @ A) * scale, computed one layer at a time from a stream of the peft model's entries
+  (gathered one at a time under FSDP), never modifying the live model.
 - `check_target_modules`: every target names a linear layer of the model, in one line otherwise; before
   any model loads from its config alone (`check_lora`, a module tree on the meta device), and
   again on the loaded model.
@@ -14,7 +18,7 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -22,6 +26,9 @@ import torch
 from loorl.algo.logprobs import FrozenReference
 from loorl.errors import ConfigError
 from loorl.settings import LoraSettings, ModelSettings
+
+PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model, in state-dict names
+ADAPTER = "default"  # peft's name of the one adapter loorl trains
 
 
 def is_lora(model) -> bool:
@@ -163,3 +170,61 @@ class AdapterFreeReference(FrozenReference):
     def completion_logprobs(self, batch, *, device: torch.device, **score) -> torch.Tensor:
         with adapters_disabled(self.model):
             return super().completion_logprobs(batch, device=device, **score)  # [N, C]
+
+
+# ---- merged weights ----------------------------------------------------------------------------
+def lora_scalings(model) -> dict[str, float]:
+    """Each adapted layer's base-model name -> its scale (alpha / r), as peft holds it."""
+    from peft.tuners.lora import LoraLayer
+
+    return {
+        name.removeprefix(PEFT_PREFIX): module.scaling[ADAPTER]
+        for name, module in model.named_modules()
+        if isinstance(module, LoraLayer)
+    }
+
+
+def _lora_part(name: str) -> tuple[str | None, str | None]:
+    """(adapted layer, part) of a peft state-dict name without its prefix: part is `weight` or `bias`
+    of the base layer, or `A` or `B`; (None, None) for an entry outside any adapted layer."""
+    if ".base_layer." in name:
+        layer, _, part = name.rpartition(".base_layer.")
+        return layer, part
+    for part in ("A", "B"):
+        suffix = f".lora_{part}.{ADAPTER}.weight"
+        if name.endswith(suffix):
+            return name.removesuffix(suffix), part
+    if ".lora_" in name:
+        raise ValueError(f"{name}: a LoRA entry loorl does not merge (only linear layers' A and B)")
+    return None, None
+
+
+def merged_weights(
+    tensors: Iterable[tuple[str, torch.Tensor]], *, scalings: dict[str, float]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The base model's state dict with the adapters merged, from the peft model's (name, tensor) stream.
+
+    Names lose the `base_model.model.` prefix and `.base_layer`; an adapted layer's weight is yielded
+    once its W, A and B have all arrived (peft registers them in that order, so at most one layer is
+    held), as W + (B @ A) * scale in at least float32 (a bf16 W would round the update away); no
+    `lora_` entry is yielded. New tensors only: the live model is not modified."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors:
+        name = name.removeprefix(PEFT_PREFIX)
+        layer, part = _lora_part(name)
+        if layer is None:
+            yield name, tensor
+            continue
+        if part == "bias":
+            yield f"{layer}.bias", tensor
+            continue
+        parts = pending.setdefault(layer, {})
+        parts[part] = tensor
+        if len(parts) == 3:
+            del pending[layer]
+            w, a, b = parts["weight"], parts["A"], parts["B"]  # [out, in], [r, in], [out, r]
+            dtype = torch.promote_types(w.dtype, torch.float32)
+            merged = torch.addmm(w.to(dtype), b.to(dtype), a.to(dtype), alpha=scalings[layer])  # [out, in]
+            yield f"{layer}.weight", merged
+    if pending:
+        raise ValueError(f"LoRA layers without all of W, A and B in the weight stream: {sorted(pending)[:3]}")

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from loorl.errors import ConfigError
+from loorl.models.lora import is_lora, lora_scalings, merged_weights
 from loorl.parallel.fsdp import full_tensors
 from loorl.types import Completion, SamplingConfig
 
@@ -61,13 +62,18 @@ class PolicyWeights:
 
     Iterating yields (name, full tensor) for every entry of the policy's state dict, one at a time:
     under FSDP each is gathered just before it is yielded (every rank iterates in step), so no second
-    full copy of the model is resident. `module` is the live policy itself, for an engine that samples
-    with it in place instead of copying (the HF engine); a copying engine never needs it."""
+    full copy of the model is resident. A LoRA policy (a peft model) streams its merged weights under
+    the base model's names, W + (B @ A) * scale per adapted layer (`loorl.models.lora.merged_weights`),
+    so a copying engine loads them as a full fine-tune's. `module` is the live policy itself (adapters
+    and all), for an engine that samples with it in place instead of copying (the HF engine); a copying
+    engine never needs it."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if is_lora(self.module):
+            return merged_weights(full_tensors(self.module), scalings=lora_scalings(self.module))
         return full_tensors(self.module)
 
     @classmethod
