@@ -1,8 +1,7 @@
-"""LoRA policies (`model.lora`, peft): the settings and their checks, adapters that start as a function
-of the seed, an optimizer that sees only the adapters, gradient checkpointing that reaches them, the
-reference for free (the base weights with the adapters off: no second model; the KL starts at exactly
-0), an HF engine that samples the adapted policy, and merged weights under the base model's names for a
-copying engine.
+"""LoRA policies (`model.lora`, peft): only the adapters train, the reference is the base weights with the
+adapters off (no second model; the KL starts at exactly 0), the HF engine samples the adapted policy, a
+copying engine receives merged weights under the base model's names, checkpoints hold the adapters and
+their optimizer state only, and the export is a merged HF model plus a peft adapter folder.
 
 One real quick run (`train`, 2 RL steps, LoRA r 4, KL in the reward) is the fixture; its checkpoint is
 loaded into a fresh module for the tests that need the trained policy in hand.
@@ -205,6 +204,36 @@ def test_merged_weights_are_pefts_merge_under_the_base_models_names(trained):
         torch.equal(p, live[n]) for n, p in module.policy.named_parameters()
     )
     assert not any(getattr(m, "merged", False) for m in module.policy.modules())
+
+
+# ---- durability --------------------------------------------------------------------------------
+def test_checkpoints_hold_the_adapters_and_their_optimizer_state_only(lora_run, trained):
+    module = trained.module
+    last = lora_run / "checkpoints" / "last.ckpt"
+    state = torch.load(last, map_location="cpu", weights_only=False)["state_dict"]
+    adapters = {f"policy.{n}" for n, _ in adapter_parameters(module.policy)}
+    assert set(state) == adapters
+    base_bytes = 4 * sum(p.numel() for p in load_causal_lm(module.model_path, dtype="float32").parameters())
+    adapter_bytes = 4 * sum(p.numel() for _, p in adapter_parameters(module.policy))
+    # weights + AdamW's two moments of the adapters, and the run's metadata; no base weight
+    assert last.stat().st_size < 3 * adapter_bytes + 200_000 < base_bytes
+
+
+def test_the_export_is_a_merged_model_and_a_peft_adapter(lora_run, trained):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    module, path, batch = trained.module, trained.path, trained.batch
+    mask = batch.completion_mask.bool()
+    policy = _logprobs(module.policy, batch, module)
+    merged = AutoModelForCausalLM.from_pretrained(lora_run / "policy")
+    assert not is_lora(merged)
+    assert (_logprobs(merged, batch, module)[mask] - policy[mask]).abs().max() < 1e-5
+    adapter = lora_run / "adapter"
+    assert (adapter / "adapter_config.json").is_file()
+    assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 4
+    reloaded = PeftModel.from_pretrained(load_causal_lm(path, dtype="float32"), adapter)
+    assert (_logprobs(reloaded, batch, module)[mask] - policy[mask]).abs().max() < 1e-6
 
 
 # ---- memory options ----------------------------------------------------------------------------

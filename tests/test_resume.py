@@ -125,6 +125,22 @@ def test_other_engines_and_strategies_resume_to_the_same_run(tmp_path, model_cac
     assert_same_run(straight, run)
 
 
+def test_a_killed_lora_run_resumes_to_the_same_run(tmp_path, model_cache):
+    """LoRA with a KL term: the checkpoint holds only the adapters and their AdamW state, the frozen base
+    weights come back from the model files, and the run continues as if never stopped."""
+    pytest.importorskip("peft")
+    lora = ("model.lora={r: 4}", "kl.coef=0.05")
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    _run(_command(straight, model_cache, *lora))
+    first = run / "checkpoints" / "epoch=19-step=20.ckpt"
+    killed = _start_and_signal(_command(run, model_cache, *lora), first, signal.SIGKILL)
+    assert killed.returncode == -signal.SIGKILL
+    state = read_checkpoint(first)["state_dict"]
+    assert state and all(".lora_" in k for k in state)  # no frozen base weight
+    _run(_command(run, model_cache, *lora, "resume_from=auto"))
+    assert_same_run(straight, run)
+
+
 # ---- SIGTERM or Ctrl-C: checkpoint, summary, then the same command continues ----------------------
 @pytest.mark.parametrize(  # Ctrl-C takes the same path as SIGTERM (one handler): slow, on request
     "sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)], ids=["SIGTERM", "Ctrl-C"]

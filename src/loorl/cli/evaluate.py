@@ -26,7 +26,7 @@ from loorl.models.sources import model_identity, model_label
 from loorl.rollout.sync import EngineSync
 from loorl.settings import EvalSettings
 from loorl.training.callbacks import SampleLog
-from loorl.training.checkpoints import IDENTITY_KEY, read_checkpoint
+from loorl.training.checkpoints import IDENTITY_KEY, lora_identity, read_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,9 @@ def policy_kind(policy: str) -> str:
     return "checkpoint"
 
 
-def check_checkpoint(path: Path, cfg: DictConfig) -> None:
-    """The checkpoint is a loorl one, one file, and was trained from the configured base model."""
+def check_checkpoint(path: Path, cfg: DictConfig, *, lora=None) -> None:
+    """The checkpoint is a loorl one, one file, and was trained from the configured base model, with the
+    configured adapters (`lora`: `model.lora`'s settings) if any."""
     try:
         state = read_checkpoint(path)
     except ValueError as err:
@@ -58,6 +59,12 @@ def check_checkpoint(path: Path, cfg: DictConfig) -> None:
         raise ConfigError(
             f"policy={path} was trained from model {saved['model']!r}, this evaluation builds {here!r}: pass "
             "the model=/task= options of the run that wrote it"
+        )
+    if saved and saved.get("lora") != lora_identity(lora):  # (no identity: not checked, as above)
+        raise ConfigError(
+            f"policy={path} holds weights for model.lora {saved.get('lora')!r}, this evaluation has "
+            f"{lora_identity(lora)!r}: pass the model.lora setting of the run that wrote it, or its exported "
+            "<run>/policy"
         )
 
 
@@ -104,7 +111,7 @@ def evaluate(cfg: DictConfig) -> dict:
         cfg.val_pass_k = e.k if e.samples else 0
     s = check_config(cfg)
     if kind == "checkpoint":
-        check_checkpoint(policy, cfg)
+        check_checkpoint(policy, cfg, lora=s.model.lora)
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
 

@@ -1,5 +1,5 @@
 """LoRA policies with peft: adapters over frozen base weights, the base model as a free reference, and
-the merged weights that a copying engine (vLLM) receives.
+the merged weights that a copying engine (vLLM) and the export receive.
 
 - `apply_lora(model, lora, seed=)`: peft's `get_peft_model` over the loaded policy; only the adapters
   train. Their initial values (A Kaiming-uniform, B zero: peft's defaults) come from torch's CPU
@@ -147,6 +147,11 @@ def adapter_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if ".lora_" in n]
 
 
+def frozen_names(model) -> set[str]:
+    """The state-dict names of the frozen parameters (tied ones under each of their names)."""
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
 @contextmanager
 def adapters_disabled(model):
     """The block runs the base model: peft's `disable_adapter()`, under no_grad."""
@@ -228,3 +233,27 @@ def merged_weights(
             yield f"{layer}.weight", merged
     if pending:
         raise ValueError(f"LoRA layers without all of W, A and B in the weight stream: {sorted(pending)[:3]}")
+
+
+def save_lora(model, *, merged_dir, adapter_dir, state: dict[str, torch.Tensor] | None = None) -> None:
+    """Write a LoRA policy twice: the adapters in peft's format to `adapter_dir`
+    (`PeftModel.from_pretrained(base, adapter_dir)`), and the merged model to `merged_dir`, a plain
+    Hugging Face folder that `from_pretrained` loads and that scores as the adapted policy. `state`: the
+    peft model's full state dict (gathered under FSDP; its own `state_dict()` when None). A merged layer is
+    float32 whatever the base's dtype (`merged_weights`); a low-precision base is then written float32."""
+    import copy
+
+    from loorl.parallel.fsdp import inner_model
+
+    state = model.state_dict() if state is None else state
+    model.save_pretrained(adapter_dir, state_dict={k: v for k, v in state.items() if ".lora_" in k})
+    merged = dict(merged_weights(state.items(), scalings=lora_scalings(model)))
+    base = inner_model(model)
+    if any(t.is_floating_point() and t.dtype != torch.float32 for t in merged.values()):
+        merged = {k: t.float() if t.is_floating_point() else t for k, t in merged.items()}
+        base.save_pretrained(merged_dir, state_dict=merged)
+        config = copy.deepcopy(base.config)
+        config.dtype = torch.float32
+        config.save_pretrained(merged_dir)
+    else:
+        base.save_pretrained(merged_dir, state_dict=merged)

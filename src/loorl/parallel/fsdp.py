@@ -34,6 +34,12 @@ def is_sharded(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def inner_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside an adapter wrapper (peft's `PeftModel.get_base_model`), else the
+    model itself: its class names the decoder layers and writes `config.architectures`."""
+    return model.get_base_model() if hasattr(type(model), "get_base_model") else model
+
+
 def layer_class_names(model_class: type, configured: list[str] | None) -> list[str]:
     """The module classes sharded one by one: the configured names, else the model's own
     `_no_split_modules` (its decoder layer: transformers' unit of sharding and offloading)."""

@@ -15,6 +15,7 @@ import lightning as L
 import numpy as np
 from lightning.pytorch.utilities import rank_zero_only
 
+from loorl.models.lora import is_lora, save_lora
 from loorl.parallel.fsdp import full_state_dict, is_sharded, unwrapped_class
 from loorl.util.profiling import PHASES
 
@@ -255,18 +256,25 @@ class SampleLog(L.Callback):
 
 class HFExport(L.Callback):
     """Saves the trained policy and its tokenizer with `save_pretrained` at the end of `fit`: one full
-    model, written by rank 0 (under FSDP every rank takes part in gathering it first)."""
+    model, written by rank 0 (under FSDP every rank takes part in gathering it first). A LoRA policy
+    is written as the merged model (`output_dir`, loaded like any other) and as its adapters in peft's
+    format (`adapter_dir`), `loorl.models.lora.save_lora`."""
 
-    def __init__(self, output_dir: str, tokenizer) -> None:
+    def __init__(self, output_dir: str, tokenizer, *, adapter_dir: str | None = None) -> None:
         self.output_dir = Path(output_dir)
+        self.adapter_dir = Path(adapter_dir) if adapter_dir else self.output_dir.with_name("adapter")
         self.tokenizer = tokenizer
 
     def on_fit_end(self, trainer, pl_module) -> None:
         policy = pl_module.policy
         state = full_state_dict(policy) if is_sharded(policy) else None  # collective under FSDP
-        if trainer.is_global_zero:
+        if not trainer.is_global_zero:
+            return
+        if is_lora(policy):
+            save_lora(policy, merged_dir=self.output_dir, adapter_dir=self.adapter_dir, state=state)
+        else:
             policy.save_pretrained(self.output_dir, state_dict=state)
             if is_sharded(policy):  # save_pretrained names the class it sees: FSDP's subclass
                 policy.config.architectures = [unwrapped_class(policy).__name__]
                 policy.config.save_pretrained(self.output_dir)
-            self.tokenizer.save_pretrained(self.output_dir)
+        self.tokenizer.save_pretrained(self.output_dir)

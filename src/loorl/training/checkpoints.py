@@ -127,6 +127,7 @@ def run_identity(s, *, model: str, strategy: str) -> dict:
             "model": model,
             "optimizer": str(s.optimizer.get("_target_")),
             "format": "sharded (strategy=fsdp)" if strategy == "fsdp" else "one file",
+            "lora": lora_identity(s.model.lora),
         },
         "run": {
             "seed": s.run.seed,
@@ -139,8 +140,17 @@ def run_identity(s, *, model: str, strategy: str) -> dict:
             "kl.coef": s.kl.coef,
             "loss.agg": s.loss.agg,
             "task": s.task.get("name"),
+            "model.lora.alpha": None if s.model.lora is None else s.model.lora.lora_alpha,
         },
     }
+
+
+def lora_identity(lora) -> str | None:
+    """What a checkpoint's adapters must match (`model.lora`'s shape), None for full weights. Checkpoints
+    written before LoRA existed have no entry, which reads as None."""
+    if lora is None:
+        return None
+    return f"r={lora.r} target_modules={','.join(lora.target_modules)}"
 
 
 class Resume(NamedTuple):

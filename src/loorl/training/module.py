@@ -37,7 +37,7 @@ from loorl.algo.logprobs import (
 )
 from loorl.algo.objectives import LossStats, policy_loss, token_loss_of
 from loorl.models.load import load_causal_lm
-from loorl.models.lora import AdapterFreeReference, apply_lora
+from loorl.models.lora import AdapterFreeReference, apply_lora, frozen_names
 from loorl.parallel.distributed import all_reduce, gather_rows, rank_and_world
 from loorl.parallel.fsdp import clip_grad_norm_
 from loorl.settings import (
@@ -137,6 +137,7 @@ class PolicyGradientModule(L.LightningModule):
         self.automatic_optimization = False
         self.policy = None
         self.reference: FrozenReference | None = None
+        self.frozen_names: set[str] = set()  # LoRA: the frozen base weights, left out of checkpoints
         self.reward_mean = MeanMetric()
         # held-out metrics: name -> MeanMetric over prompts (NaN rewards of unscorable samples left out)
         self.val_metrics = torch.nn.ModuleDict(
@@ -168,6 +169,7 @@ class PolicyGradientModule(L.LightningModule):
             self.policy.gradient_checkpointing_enable()
         if m.lora is not None:  # adapters over frozen weights; the optimizer then sees only the adapters
             self.policy = apply_lora(self.policy, m.lora, seed=self.seed)
+            self.frozen_names = {f"policy.{name}" for name in frozen_names(self.policy)}
         strategy = self.trainer.strategy if self._trainer is not None else None
         shard = getattr(strategy, "shard", None)  # strategy=fsdp (loorl.training.strategies.FSDPStrategy)
         if shard is not None:
@@ -376,6 +378,29 @@ class PolicyGradientModule(L.LightningModule):
                          metric_attribute=f"val_source_accuracy.{source}")  # fmt: skip
 
     # ---- checkpoints ---------------------------------------------------------------------------
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """Without LoRA's frozen base weights: a checkpoint holds the adapters (and the optimizer state,
+        which only they have); the base weights are rebuilt from the model files. Every strategy's
+        checkpoint (one file, FSDP's shards) and its load go through this and `load_state_dict`."""
+        state = super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        for name in self.frozen_names:
+            state.pop(prefix + name, None)
+        return state
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Non-strict for the frozen base weights only (LoRA): any other missing or unexpected key is an
+        error under `strict`, as it would be without the override."""
+        if not self.frozen_names:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        missing = [k for k in result.missing_keys if k not in self.frozen_names]
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(
+                f"checkpoint does not fit this LoRA policy: missing {missing[:3]}, unexpected "
+                f"{result.unexpected_keys[:3]}"
+            )
+        return result
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["kl_controller"] = self.kl_controller.state_dict()
         if self.identity is not None:
