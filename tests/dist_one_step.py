@@ -20,6 +20,7 @@ from loorl.build import build_datamodule, build_module, instantiate_unwrapped
 from loorl.cli.console import quiet_library_output
 from loorl.config import check_config, compose_config
 from loorl.models.load import load_causal_lm, load_tokenizer
+from loorl.models.lora import is_lora
 from loorl.models.sources import resolve_model_path
 from loorl.parallel.distributed import rank_and_world, rank_block, shutdown
 from loorl.parallel.fsdp import full_state_dict, is_sharded
@@ -116,7 +117,13 @@ def main() -> None:
     data = FixedRollout(rollout)
     metrics = {}
 
+    initial = {}
+
     class Record(L.Callback):
+        def on_train_start(self, trainer, pl_module):
+            if is_lora(pl_module.policy):  # the adapters' initial values too (a collective under FSDP)
+                initial.update({k: v.clone() for k, v in full_state_dict(pl_module.policy).items()})
+
         def on_train_epoch_end(self, trainer, pl_module):
             metrics.update({k: float(v) for k, v in trainer.callback_metrics.items()})
 
@@ -131,8 +138,9 @@ def main() -> None:
         enable_model_summary=False,
         callbacks=[Record()],
     )
-    initial = load_causal_lm(model_path, dtype="float32").state_dict()
     trainer.fit(module, datamodule=data)
+    if not initial:  # full weights: as loaded
+        initial = load_causal_lm(model_path, dtype="float32").state_dict()
     state = full_state_dict(module.policy)  # a collective under FSDP: every rank
     # the real DataModule: its prompts for a step on this rank, and the statistics of a rollout it
     # collects with the trained policy (each rank samples its own groups)

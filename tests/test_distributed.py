@@ -124,6 +124,31 @@ def test_minibatches_take_whole_groups_from_every_rank(world):
 )
 def test_two_processes_take_the_single_process_step(tmp_path, model_cache, single, strategy, extra):
     two = one_step(tmp_path / "out.pt", model_cache, strategy, 2, *extra)
+    assert_the_single_process_step(single, two, strategy)
+
+
+# LoRA: adapters over frozen base weights, the KL reference the base with the adapters off (peft's
+# disable_adapter() inside DDP's and FSDP's forward), FSDP's layer classes found inside the PeftModel
+LORA = ("model.lora={r: 4}",)
+
+
+@pytest.fixture(scope="module")
+def single_lora(tmp_path_factory, model_cache) -> dict:
+    pytest.importorskip("peft")
+    return one_step(tmp_path_factory.mktemp("one-lora") / "out.pt", model_cache, "auto", 1, *LORA)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_processes_take_the_single_process_lora_step(tmp_path, model_cache, single_lora, strategy):
+    two = one_step(tmp_path / "out.pt", model_cache, strategy, 2, *LORA)
+    assert_the_single_process_step(single_lora, two, strategy)
+    assert [k for k in two["state"] if ".lora_B." in k]
+    for key, value in two["state"].items():  # the base weights never move; the adapters do
+        moved = not torch.equal(value, two["initial"][key])
+        assert moved == (".lora_B." in key), key  # A's gradient is 0 while B is 0 (the first step)
+
+
+def assert_the_single_process_step(single: dict, two: dict, strategy: str) -> None:
     assert two["groups"] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # whole groups, each on one rank
     assert two["sharded"] == (strategy == "fsdp") and not single["sharded"]
     assert _relative_gap(single["state"], two["state"]) <= RTOL
@@ -193,6 +218,32 @@ def test_cli_two_processes_train_resume_and_export(tmp_path, model_cache, single
     _cli(resumed, model_cache, f"strategy={strategy}", f"resume_from={last}", "rl.steps=6")
     summary = json.loads((resumed / "metrics.json").read_text())["summary"]
     assert summary["rl_steps"] == 6 and summary["optimizer_steps"] == 6  # 4 restored + 2 trained
+
+
+# FSDP's folders of shards go through the module's state_dict/load_state_dict too (DDP's one file is
+# tests/test_resume.py's); FSDP in the default suite, DDP on request
+@pytest.mark.parametrize("strategy", ["fsdp", pytest.param("ddp", marks=pytest.mark.slow)])
+def test_cli_two_processes_resume_a_lora_run_exactly(tmp_path, model_cache, strategy):
+    pytest.importorskip("peft")
+    lora = (f"strategy={strategy}", "model.lora={r: 4}", "kl.coef=0.05")
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    _cli(straight, model_cache, *lora)
+    first = straight / "checkpoints" / "epoch=1-step=2.ckpt"
+    if strategy == "fsdp":  # a folder of shards: adapters and their AdamW state, no base weight
+        from torch.distributed.checkpoint import FileSystemReader
+
+        keys = list(FileSystemReader(str(first)).read_metadata().state_dict_metadata)
+        weights = [k for k in keys if k.startswith("state_dict.")]
+        assert weights and all(".lora_" in k for k in weights), weights[:3]
+    _cli(resumed, model_cache, *lora, f'resume_from="{first}"')
+
+    def history(run):
+        h = json.loads((run / "metrics.json").read_text())["history"]
+        return {k: v for k, v in h.items() if not k.startswith("perf/")}
+
+    assert history(resumed) == history(straight)
+    assert history(straight)["rollout/kl"][0][1] == 0.0
+    assert (straight / "adapter" / "adapter_config.json").is_file()
 
 
 # ---- bad input: one line before any model loads -----------------------------------------------

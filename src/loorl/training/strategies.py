@@ -82,12 +82,12 @@ class FSDPStrategy(ModelParallelStrategy):
     def shard(self, model, *, offload: bool | None = None):
         """Shard `model` over all ranks (decoder layers one by one, then the root); `offload`
         overrides `offload_params` (the frozen reference follows `model.ref_offload` too)."""
-        from loorl.parallel.fsdp import layer_class_names, shard
+        from loorl.parallel.fsdp import inner_model, layer_class_names, shard
 
         return shard(
             model,
             mesh=self.device_mesh["data_parallel"],
-            layer_classes=layer_class_names(type(model), self.layer_classes),
+            layer_classes=layer_class_names(type(inner_model(model)), self.layer_classes),
             reshard_after_forward=self.reshard_after_forward,
             offload=self.offload_params if offload is None else offload,
         )
