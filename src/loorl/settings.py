@@ -363,6 +363,10 @@ class ModelSettings(Section):
                 "weights are float32 (set model.master_dtype=float32) or, opting into pure low precision, "
                 "model.dtype"
             )
+        if self.name_or_path is None and self.tiny is None and self.gguf is None:
+            raise ConfigError(
+                "model.name_or_path is null and there is no model.tiny or model.gguf block: set one of them"
+            )
         if self.lora is not None:
             self._check_lora(self.lora)
 
@@ -382,10 +386,6 @@ class ModelSettings(Section):
             raise ConfigError(
                 "model.ref_offload=true with model.lora: the reference is the policy's own base weights with "
                 "the adapters off, there is no second model to offload; set model.ref_offload=false"
-            )
-        if self.name_or_path is None and self.tiny is None and self.gguf is None:
-            raise ConfigError(
-                "model.name_or_path is null and there is no model.tiny or model.gguf block: set one of them"
             )
 
 
