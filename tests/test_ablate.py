@@ -14,7 +14,14 @@ import pytest
 import yaml
 
 from fixtures import installed, needs_wandb
-from loorl.research.ablation import Job, accuracy_auc, group_settings, mean_ci, moving_average
+from loorl.research.ablation import (
+    Job,
+    accuracy_auc,
+    checkpoint_bytes,
+    group_settings,
+    mean_ci,
+    moving_average,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 ABLATE = [sys.executable, str(ROOT / "scripts" / "ablate.py")]
@@ -59,6 +66,16 @@ def test_settings_are_the_overrides_that_differ_without_the_seed():
     assert [s.label for s in group_settings(group)] == ["none", "loss_k2"]
 
 
+def test_checkpoint_size_of_a_file_or_a_folder_of_shards(tmp_path):
+    (tmp_path / "one.ckpt").write_bytes(b"x" * 1000)
+    shards = tmp_path / "fsdp.ckpt"
+    (shards / "inner").mkdir(parents=True)
+    (shards / "a.distcp").write_bytes(b"x" * 300)
+    (shards / "inner" / "meta").write_bytes(b"x" * 200)
+    assert checkpoint_bytes(tmp_path / "one.ckpt") == 1000 and checkpoint_bytes(shards) == 500
+    assert math.isnan(checkpoint_bytes(tmp_path / "none.ckpt"))
+
+
 # ---- a real sweep --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def sweep(model_cache, tmp_path_factory):
@@ -94,8 +111,12 @@ def test_the_table_is_the_mean_and_interval_of_the_runs(sweep):
         assert sorted(final["values"]) == pytest.approx(sorted(finals))
         assert final["mean"] == pytest.approx(np.mean(finals))
         assert row["metrics"]["gen_tokens"]["mean"] > 0 and row["metrics"]["wall_seconds"]["mean"] > 0
+        assert 0 < row["metrics"]["step_seconds"]["mean"] < row["metrics"]["wall_seconds"]["mean"]
+        assert row["metrics"]["peak_host_gb"]["mean"] > 0.2  # torch alone is resident at a few hundred MB
+        assert all(math.isnan(v) for v in row["metrics"]["checkpoint_mb"]["values"])  # checkpoint_every 0
     table = (out / "table.md").read_text()
     assert "| setting | seeds | final acc. (%) |" in table and "±" in table
+    assert "| s/step | peak RSS (GB) | checkpoint (MB) |" in table
     assert (out / "curves.png").stat().st_size > 10_000
 
 
@@ -126,7 +147,10 @@ def test_the_sweep_is_one_wandb_group_of_offline_runs(sweep):
         assert json.loads(info["config"]["estimator"])["name"] in ("rloo", "reinforce")  # the resolved config
         assert any(f.startswith("media/table/samples") for f in info["files"])  # the samples table
     listed = subprocess.run(
-        ["wandb", "sync", "--dry-run", str(runs[0])], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "wandb", "sync", "--dry-run", str(runs[0])],  # this interpreter's wandb,
+        capture_output=True,
+        text=True,
+        timeout=120,  # not PATH's (an unactivated venv has none on PATH)
     )
     assert "Would sync 1 run(s)" in listed.stdout + listed.stderr
 

@@ -136,7 +136,19 @@ def job_metrics(job: Job) -> dict[str, float]:
         "kl": float(s.get("kl_last", float("nan"))),
         "gen_tokens": float(tokens[-1]) if len(tokens) else float("nan"),
         "wall_seconds": float(s.get("wall_seconds", float("nan"))),
+        "step_seconds": float(s.get("step_seconds", float("nan"))),
+        "peak_host_gb": float(s.get("peak_host_gb", float("nan"))),
+        "checkpoint_mb": checkpoint_bytes(job.path / "checkpoints" / "last.ckpt") / 1e6,
     }
+
+
+def checkpoint_bytes(path: Path) -> float:
+    """The size of a checkpoint: a file (one process) or a folder of shards (FSDP); NaN if none."""
+    if path.is_file():
+        return float(path.stat().st_size)
+    if path.is_dir():
+        return float(sum(f.stat().st_size for f in path.rglob("*") if f.is_file()))
+    return float("nan")
 
 
 COLUMNS = {  # metric -> (column title, format)
@@ -147,6 +159,9 @@ COLUMNS = {  # metric -> (column title, format)
     "kl": ("KL", ".4f"),
     "gen_tokens": ("gen. tokens", ",.0f"),
     "wall_seconds": ("wall (s)", ".0f"),
+    "step_seconds": ("s/step", ".2f"),
+    "peak_host_gb": ("peak RSS (GB)", ".2f"),
+    "checkpoint_mb": ("checkpoint (MB)", ",.1f"),
 }
 
 
@@ -187,7 +202,8 @@ def markdown_table(rows: list[dict], *, title: str, note: str = "") -> str:
         "Mean ± half-width of the 95% Student-t confidence interval over seeds. Accuracy: greedy on the "
         "held-out split (final: the last validation, best: the highest, AUC: the mean along training); "
         "reward: the mean of the last steps' rollouts; KL: to the reference at the last step; "
-        "gen. tokens: completion tokens generated over the run.",
+        "gen. tokens: completion tokens generated over the run; s/step: the median RL step; peak RSS: the "
+        "process's peak resident host memory during the run; checkpoint: last.ckpt (n/a: none kept).",
     ]
     if note:
         lines += ["", note]

@@ -17,6 +17,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from loorl.models.lora import is_lora, save_lora
 from loorl.parallel.fsdp import full_state_dict, is_sharded, unwrapped_class
+from loorl.util.peak_memory import peak_memory_gb
 from loorl.util.profiling import PHASES
 
 log = logging.getLogger("loorl")
@@ -32,6 +33,12 @@ def _mean(values: list[float]) -> float:
 def rl_steps_done(trainer) -> int:
     """The RL step a validation measures: RL steps done so far (0 before training)."""
     return trainer.current_epoch + 1 if trainer.state.fn == "fit" else trainer.global_step
+
+
+def peak_memory_text(host_gb: float, cuda_gb: float) -> str:
+    """`2.10 GB resident on the host`, plus `; 30.5 GB allocated on CUDA` where CUDA was used."""
+    text = f"{host_gb:.2f} GB resident on the host"
+    return text if math.isnan(cuda_gb) else f"{text}; {cuda_gb:.2f} GB allocated on CUDA"
 
 
 class RunSummary(L.Callback):
@@ -108,6 +115,7 @@ class RunSummary(L.Callback):
         out["val_maj_at_k_start"] = maj_k[0] if maj_k else float("nan")
         out["val_maj_at_k_end"] = maj_k[-1] if maj_k else float("nan")
         out["gen_tokens"] = sum(self.series("rollout/gen_tokens"))
+        out |= peak_memory_gb()  # this rank's (rank 0 writes the summary)
         for phase in ("step", *PHASES):  # medians: the first steps pay one-off costs (allocation, caches)
             values = self.series(f"perf/{phase}_seconds")
             out[f"{phase}_seconds"] = float(np.median(values)) if values else float("nan")
@@ -152,6 +160,7 @@ class RunSummary(L.Callback):
             ("wall time", f"{s['wall_seconds']:.1f} s"),
             ("generation tokens/s", num(s["gen_tokens_per_s"], ".0f")),
             ("training tokens/s", num(s["train_tokens_per_s"], ".0f")),
+            ("peak memory", peak_memory_text(s["peak_host_gb"], s["peak_cuda_gb"])),
         ]
         rows += list(self.facts.items())
         if not math.isnan(s["step_seconds"]):
