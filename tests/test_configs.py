@@ -27,6 +27,7 @@ from loorl.settings import (
     DTYPES,
     ENGINES,
     KL_ESTIMATORS,
+    LORA_DEFAULT_TARGETS,
     RATIO_LEVELS,
     TRUNCATED_MODES,
     EvalSettings,
@@ -43,6 +44,7 @@ HUB_MODELS = ("qwen05b", "qwen15b", "qwen7b", "llama8b")
 NOT_CHECKABLE = {("task", "gsm8k"), ("task", "math")}
 NOT_CHECKABLE |= {("model", name) for name in HUB_MODELS}
 NOT_CHECKABLE |= {("model", "smollm2_135m"), ("experiment", "smollm2_arithmetic")}
+NOT_CHECKABLE |= {("experiment", "smollm2_arithmetic_lora")}  # the same model
 NOT_CHECKABLE |= {("experiment", "mix_gsm8k_math")}  # needs its sources' paths (tests/test_mixed.py)
 YAML_FILES = sorted(CONF_DIR.rglob("*.yaml"))
 
@@ -343,6 +345,26 @@ def test_experiment_smollm2_arithmetic(default_cfg):
     assert s.model.dtype == fast_compute_dtype() and s.lr_schedule.name == "cosine"
 
 
+def test_experiment_smollm2_arithmetic_lora_is_the_full_fine_tune_with_adapters_and_kl(default_cfg):
+    """The LoRA recipe differs from experiment=smollm2_arithmetic only where LoRA asks it to."""
+    from loorl.config import load_settings
+
+    full = load_settings(default_cfg("experiment=smollm2_arithmetic"))
+    lora = load_settings(default_cfg("experiment=smollm2_arithmetic_lora"))
+    assert full.model.lora is None and lora.model.lora.r == 16 and lora.model.lora.lora_alpha == 32
+    assert lora.model.lora.target_modules == LORA_DEFAULT_TARGETS
+    assert lora.model.lora.base_dtype == lora.model.dtype == full.model.dtype
+    assert lora.optimizer["lr"] == pytest.approx(10 * full.optimizer["lr"])
+    assert lora.kl.coef > 0 and full.kl.coef == 0 and lora.kl.in_reward
+    assert (lora.rl, lora.lr_schedule, lora.rollout, lora.task) == (
+        full.rl,
+        full.lr_schedule,
+        full.rollout,
+        full.task,
+    )
+    assert (lora.run.val_every, lora.run.seed) == (full.run.val_every, full.run.seed)
+
+
 def test_command_line_overrides_experiment(default_cfg):
     cfg = default_cfg("experiment=arithmetic_grpo", "seed=5")
     assert cfg.seed == 5 and cfg.estimator.name == "grpo"
@@ -467,9 +489,10 @@ def test_check_group_choices_rejects(override, bad, group, listed):
 RECIPE_SMOLLM2 = {
     "lr": 2.0e-5,
     "K": 4,
-    "B": 8,
+    "B": 16,
     "kl": 0.0,
     "tis_cap": 2.0,
+    "T": 0.7,
     "schedule": "cosine",
 }  # measured: README
 # Each model's recommended RL settings, pinned: `estimator=rloo model=<m>` must train with these.
@@ -587,6 +610,20 @@ def test_ablation_kl_settings_pair_placement_and_estimator(
     ]
     s = check_config(default_cfg("ablation=kl", f"+ablation/kl_settings={setting}"))
     assert (s.kl.coef, s.kl.in_reward, s.kl.estimator) == (coef, in_reward, estimator)
+
+
+def test_ablation_lora_compares_the_smollm2_experiments_keeping_one_final_checkpoint(default_cfg, tmp_path):
+    from loorl.config import load_settings
+
+    assert sweep_params(tmp_path, "lora")["experiment"] == ["smollm2_arithmetic", "smollm2_arithmetic_lora"]
+    full, lora = (
+        load_settings(default_cfg("ablation=lora", f"experiment={e}"))
+        for e in ("smollm2_arithmetic", "smollm2_arithmetic_lora")
+    )
+    assert full.model.lora is None and lora.model.lora.r == 16 and lora.kl.coef > 0
+    for s in (full, lora):  # the checkpoint size is measured on the one checkpoint each run keeps
+        assert (s.run.checkpoint_every, s.run.checkpoint_keep) == (s.rl.steps, 1) and not s.run.export_policy
+    assert (full.rl, full.run.val_every) == (lora.rl, lora.run.val_every)
 
 
 def test_eval_config_extends_the_training_config(tmp_path):

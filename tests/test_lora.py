@@ -236,6 +236,34 @@ def test_the_export_is_a_merged_model_and_a_peft_adapter(lora_run, trained):
     assert (_logprobs(reloaded, batch, module)[mask] - policy[mask]).abs().max() < 1e-6
 
 
+def test_a_checkpoint_is_resumed_or_evaluated_only_with_its_adapters(quick_config, lora_run, tmp_path):
+    from loorl.cli.evaluate import evaluate
+    from loorl.config import compose_config
+    from loorl.errors import ConfigError
+
+    last = lora_run / "checkpoints" / "last.ckpt"
+    for i, other in enumerate(("model.lora=null", "model.lora={r: 8}")):
+        cfg = quick_config(
+            other, "kl.coef=0.05", f"resume_from={last}", *ON_CPU, output_dir=tmp_path / str(i)
+        )
+        with pytest.raises(ConfigError, match=r"was written with lora 'r=4 target_modules=q_proj,") as err:
+            train(cfg)
+        assert "\n" not in str(err.value)
+
+    def eval_cfg(*overrides):
+        cache = quick_config().model.cache_dir
+        quick = ("debug=quick", "rollout=hf", f"model.cache_dir={cache}", "trainer.enable_progress_bar=false")
+        return compose_config(f"output_dir={tmp_path / 'eval'}", *quick, f"policy={last}", "eval.samples=0",
+                              *overrides, config_name="eval")  # fmt: skip
+
+    with pytest.raises(
+        ConfigError, match=r"holds weights for model.lora 'r=4 .* pass the model.lora setting"
+    ):
+        evaluate(eval_cfg())
+    results = evaluate(eval_cfg(*LORA[:1]))  # the adapters over the base model, as trained
+    assert results["metrics"]["pass@1_greedy"] == _history(lora_run)["val/accuracy"][-1][1]
+
+
 # ---- memory options ----------------------------------------------------------------------------
 def test_gradient_checkpointing_gives_the_adapters_their_gradients(trained):
     """Frozen embeddings feed the checkpointed layers an input that needs no gradient: the adapters
