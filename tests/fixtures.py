@@ -28,6 +28,50 @@ from loorl.util.wheels import fetch_wheel
 ON_CPU = ("trainer.accelerator=cpu", "rollout=hf")
 
 
+def tiny_parts(cfg):
+    """(cfg, task, model path, tokenizer, float32 model on the CPU) of the config's tiny model."""
+    from hydra.utils import instantiate
+
+    from loorl.models.load import load_causal_lm, load_tokenizer
+    from loorl.models.tiny import ensure_tiny_model
+
+    task = instantiate(cfg.task)
+    path = str(ensure_tiny_model(cfg.model, cfg.task, task))
+    return cfg, task, path, load_tokenizer(path), load_causal_lm(path, dtype="float32")
+
+
+def tiny_model_and_prompts(cfg, n: int = 6):
+    """The config's tiny model (float32, CPU), its tokenizer and the token ids of the first `n` held-out
+    prompts, which differ in length (so left padding is exercised)."""
+    _, task, _, tok, model = tiny_parts(cfg)
+    ids = [tok(p.text, add_special_tokens=False).input_ids for p in task.eval_prompts()[:n]]
+    assert len({len(i) for i in ids}) > 1
+    return tok, model, ids
+
+
+CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+
+
+def tiny_reward_model(path: Path, *, chat_template: str | None = None) -> str:
+    """A real float32 two-layer Qwen2 sequence classifier with one label on the character tokenizer,
+    saved at `path` (with `chat_template`, a reward model that reads conversations)."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    from loorl.models.tiny import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    tok.padding_side = "right"
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=1, num_key_value_heads=1, num_labels=1,
+                         pad_token_id=tok.pad_token_id, max_position_embeddings=512)  # fmt: skip
+    Qwen2ForSequenceClassification(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
 def installed(module: str) -> bool:
     """Whether `module` can be imported, found without importing it (vllm takes seconds to import)."""
     try:

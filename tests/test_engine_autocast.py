@@ -10,11 +10,9 @@ from __future__ import annotations
 import lightning as L
 import pytest
 import torch
-from hydra.utils import instantiate
 
+from fixtures import tiny_parts, tiny_reward_model
 from loorl.build import build_datamodule
-from loorl.models.load import load_causal_lm, load_tokenizer
-from loorl.models.tiny import build_char_tokenizer, ensure_tiny_model
 from loorl.rewards import RewardComposer, WeightedReward
 from loorl.rewards.model import RewardModel
 from loorl.rollout.engine import RolloutEngine
@@ -25,10 +23,7 @@ from loorl.types import Completion
 
 @pytest.fixture(scope="module")
 def tiny(quick_config):
-    cfg = quick_config()
-    task = instantiate(cfg.task)
-    path = str(ensure_tiny_model(cfg.model, cfg.task, task))
-    return cfg, task, path, load_tokenizer(path), load_causal_lm(path, dtype="float32")
+    return tiny_parts(quick_config())
 
 
 def _bf16_trainer() -> L.Trainer:
@@ -53,26 +48,11 @@ def _datamodule(tiny, engine=None):
     return dm
 
 
-def _tiny_reward_model(path) -> str:
-    """A float32 two-layer Qwen2 sequence classifier with one label, on the character tokenizer."""
-    from transformers import Qwen2Config, Qwen2ForSequenceClassification
-
-    tok = build_char_tokenizer()
-    tok.padding_side = "right"
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=1, num_key_value_heads=1, num_labels=1,
-                         pad_token_id=tok.pad_token_id, max_position_embeddings=512)  # fmt: skip
-    Qwen2ForSequenceClassification(config).save_pretrained(path)
-    tok.save_pretrained(path)
-    return str(path)
-
-
 def test_a_float32_reward_model_scores_outside_the_autocast_the_hf_engine_samples_in(tiny, tmp_path):
     """Under bf16-mixed the HF engine's policy forwards run under bf16 autocast (as in training_step)
     and the reward model's forwards under none, for the rollout and for validation."""
     policy = tiny[4]
-    rm = RewardModel(path=_tiny_reward_model(tmp_path / "rm"), batch_size=8, dtype="float32")
+    rm = RewardModel(path=tiny_reward_model(tmp_path / "rm"), batch_size=8, dtype="float32")
     rm.load()
     seen: dict[str, list] = {"policy": [], "reward model": []}
     hooks = [

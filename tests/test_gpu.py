@@ -22,10 +22,9 @@ import torch
 from hydra.utils import instantiate
 from safetensors.torch import load_file
 
-from fixtures import needs_cuda
+from fixtures import needs_cuda, tiny_model_and_prompts
 from loorl.algo.logprobs import completion_logits, completion_logprobs, token_logprobs
 from loorl.cli.train import train, trainer_precision
-from loorl.models.load import load_causal_lm, load_tokenizer
 from loorl.models.tiny import ensure_tiny_model
 from loorl.rollout.batch import assemble
 from loorl.rollout.hf_engine import HFEngine
@@ -51,13 +50,8 @@ def _policy_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def tiny_cuda(quick_config):
     """The quick tiny model in float32 on the GPU, its tokenizer, 6 held-out prompts of several lengths."""
-    cfg = quick_config()
-    task = instantiate(cfg.task)
-    path = str(ensure_tiny_model(cfg.model, cfg.task, task))
-    tok = load_tokenizer(path)
-    ids = [tok(p.text, add_special_tokens=False).input_ids for p in task.eval_prompts()[:6]]
-    assert len({len(i) for i in ids}) > 1  # left padding is exercised
-    return tok, load_causal_lm(path, dtype="float32").to("cuda").eval(), ids
+    tok, model, ids = tiny_model_and_prompts(quick_config())
+    return tok, model.to("cuda").eval(), ids
 
 
 def _samples(tiny_cuda, *, seed: int = 11):

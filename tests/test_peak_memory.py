@@ -1,4 +1,5 @@
-"""`loorl.util.peak_memory`: a run's host peak is its own, also as a multirun's later job."""
+"""`loorl.util.peak_memory`: the host peak restarts at each run (a multirun's later job does not report
+an earlier job's peak)."""
 
 from __future__ import annotations
 

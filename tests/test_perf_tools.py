@@ -179,3 +179,39 @@ def test_trl_peer_runs_one_step_on_the_tiny_model(tmp_path):
     metrics = json.loads((tmp_path / "run" / "trl_metrics.json").read_text())
     assert len(metrics["timing"]["step"]) == 2 and metrics["prompt_tokens_as_loorl"]
     assert (tmp_path / "run" / "policy" / "config.json").exists()
+
+
+# ---- LoRA weights into vLLM: merged stream against vLLM's own LoRA (scripts/bench_lora_sync.py) ----
+def test_lora_sync_bench_arguments():
+    bench = _script("bench_lora_sync")
+    args, overrides = bench.parse_args(["--syncs", "2", "model.lora.r=8"])
+    assert args.syncs == 2 and overrides == [
+        "experiment=smollm2_arithmetic_lora",
+        "rollout=vllm",
+        "model.lora.r=8",
+    ]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--syncs", "0"])
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_lora_sync_bench_runs_both_paths_on_the_tiny_model(tmp_path, model_cache):
+    """Both real vLLM engines (merged weights; vLLM LoRA) on the tiny model; their greedy answers are the
+    HF adapted policy's on most prompts (float rounding differs between the two ways of applying B @ A)."""
+    pytest.importorskip("vllm")
+    out = tmp_path / "lora_sync.md"
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_lora_sync.py"), "--syncs", "1", "--out", str(out),
+           "model=tiny", "task=arithmetic", "model.lora={r: 4}", f"model.cache_dir={model_cache}",
+           "model.dtype=float32"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    rows = [
+        line
+        for line in out.read_text().splitlines()
+        if line.startswith("| merged") or line.startswith("| vLLM")
+    ]
+    assert len(rows) == 2
+    for row in rows:
+        agree = float(row.rstrip(" |").rsplit("|", 1)[1].strip().rstrip("%"))
+        assert agree >= 80, row

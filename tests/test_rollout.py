@@ -6,13 +6,11 @@ import math
 
 import pytest
 import torch
-from hydra.utils import instantiate
 
+from fixtures import tiny_parts
 from loorl.algo import estimators
 from loorl.algo.logprobs import completion_logits, completion_logprobs
 from loorl.build import build_datamodule, build_module
-from loorl.models.load import load_causal_lm, load_tokenizer
-from loorl.models.tiny import ensure_tiny_model
 from loorl.rollout.batch import assemble
 from loorl.rollout.datamodule import sampler_seed
 from loorl.rollout.hf_engine import HFEngine
@@ -23,10 +21,7 @@ from loorl.types import Completion, Prompt, SamplingConfig
 @pytest.fixture(scope="module")
 def tiny(quick_config):
 
-    cfg = quick_config()
-    task = instantiate(cfg.task)
-    path = str(ensure_tiny_model(cfg.model, cfg.task, task))
-    return cfg, task, path, load_tokenizer(path), load_causal_lm(path, dtype="float32")
+    return tiny_parts(quick_config())
 
 
 def _engine(tok, **sampling):

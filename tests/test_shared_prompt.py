@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hydra.utils import instantiate
 
+from fixtures import tiny_model_and_prompts
 from loorl.algo.logprobs import completion_logits, completion_logprobs, token_logprobs
-from loorl.models.load import load_causal_lm, load_tokenizer
-from loorl.models.tiny import ensure_tiny_model
 from loorl.rollout.batch import assemble
 from loorl.rollout.hf_engine import HFEngine
 from loorl.types import Completion, SamplingConfig
@@ -18,13 +16,7 @@ from loorl.types import Completion, SamplingConfig
 
 @pytest.fixture(scope="module")
 def tiny(quick_config):
-    cfg = quick_config()
-    task = instantiate(cfg.task)
-    path = str(ensure_tiny_model(cfg.model, cfg.task, task))
-    tok = load_tokenizer(path)
-    ids = [tok(p.text, add_special_tokens=False).input_ids for p in task.eval_prompts()[:6]]
-    assert len({len(i) for i in ids}) > 1  # left padding is exercised
-    return tok, load_causal_lm(path, dtype="float32"), ids
+    return tiny_model_and_prompts(quick_config())
 
 
 def _engine(tok, share: bool, **sampling) -> HFEngine:

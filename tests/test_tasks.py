@@ -12,7 +12,7 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
-from fixtures import write_gsm8k, write_math
+from fixtures import CHAT_TEMPLATE, tiny_reward_model, write_gsm8k, write_math
 from loorl.build import instantiate_unwrapped
 from loorl.cli.train import train
 from loorl.config import CONF_DIR
@@ -154,27 +154,12 @@ def test_two_weighted_reward_functions_end_to_end(data_config, gsm8k_dir, gsm8k_
     assert summary["optimizer_steps"] == 2
 
 
-def _tiny_reward_model(path):
-    from transformers import Qwen2Config, Qwen2ForSequenceClassification
-
-    tok = build_char_tokenizer()
-    tok.padding_side = "right"
-    tok.chat_template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
-    torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=1, num_key_value_heads=1, num_labels=1,
-                         pad_token_id=tok.pad_token_id, max_position_embeddings=512)  # fmt: skip
-    Qwen2ForSequenceClassification(config).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
 def test_reward_model_scores_match_a_direct_forward_pass(tmp_path):
     from transformers import AutoModelForSequenceClassification
 
     from loorl.rewards.model import RewardModel
 
-    path = _tiny_reward_model(tmp_path / "rm")
+    path = tiny_reward_model(tmp_path / "rm", chat_template=CHAT_TEMPLATE)
     rm = RewardModel(path=str(path), batch_size=2)
     completions = ["#### 4", "I think it is 5, so #### 5", "x"]
     scores = rm(prompts=["p1", "p2", "p3"], completions=completions, question=["2+2?", "2+3?", "?"])
@@ -188,7 +173,7 @@ def test_reward_model_scores_match_a_direct_forward_pass(tmp_path):
 
 
 def test_reward_model_run_end_to_end(data_config, gsm8k_dir, gsm8k_model, tmp_path):
-    rm = _tiny_reward_model(tmp_path / "rm")
+    rm = tiny_reward_model(tmp_path / "rm", chat_template=CHAT_TEMPLATE)
     summary = train(data_config(tmp_path / "c", tmp_path / "out", "task=gsm8k",
                                 f"model.name_or_path={gsm8k_model}", f"data.path={gsm8k_dir}", "reward=model",
                                 f"reward.functions.rm.fn.path={rm}", "rl.steps=2"))  # fmt: skip

@@ -38,43 +38,42 @@ def _ids(tok, prompts):
     return [tok(p.text, add_special_tokens=False).input_ids for p in prompts]
 
 
-def test_vllm_follows_the_policy_after_an_optimizer_step(setup):
+def _vllm_follows_one_optimizer_step(setup, weights) -> dict:
+    """One real RLOO step (vLLM rollout, loss, AdamW on what trains), then: after the sync vLLM's greedy
+    tokens are the HF policy's and its log-probs the trainer's to 1e-4; before it, it sampled from the
+    old weights (> 1e-3). `weights(policy)`: what `sync` receives. Returns the step's metrics."""
     cfg, task, tok, module, dm = setup
     engine = dm.engine
-    assert engine.name == "vllm"
-    # one real RLOO step: vLLM rollout, loss, AdamW update of the live policy
-    engine.sync(module.policy, version=0)
-    batch, _ = module.prepare(dm.collect(step=0).batch)
+    engine.sync(weights(module.policy), version=0)
+    batch, metrics = module.prepare(dm.collect(step=0).batch)
     assert (batch.completion_mask.sum(-1) > 0).all()
-    opt = torch.optim.AdamW(module.policy.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW([p for p in module.policy.parameters() if p.requires_grad], lr=1e-2)
     module.accumulate_gradients(batch, lambda loss: loss.backward())
     opt.step()
     opt.zero_grad()
 
     prompts = _ids(tok, task.eval_prompts()[:40])
     stale = engine.generate(prompts, n=4)
-    engine.sync(module.policy, version=1)
-
+    engine.sync(weights(module.policy), version=1)
     hf = HFEngine(engine.sampling, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
     hf.sync(module.policy)
     vllm_greedy = [g[0].token_ids for g in engine.generate(prompts, n=1, greedy=True)]
-    hf_greedy = [g[0].token_ids for g in hf.generate(prompts, n=1, greedy=True)]
-    assert vllm_greedy == hf_greedy
+    assert vllm_greedy == [g[0].token_ids for g in hf.generate(prompts, n=1, greedy=True)]
 
     def max_mismatch(groups):
-        b = assemble(
-            prompts,
-            groups,
-            pad_token_id=tok.pad_token_id,
-            rewards=torch.zeros(40, 4),
-            advantages=torch.zeros(40, 4),
-        )
+        b = assemble(prompts, groups, pad_token_id=tok.pad_token_id, rewards=torch.zeros(40, 4))
         with torch.no_grad():
             lp = completion_logprobs(module.policy, b, sampling=engine.sampling)
         return (lp - b.sampler_logprobs)[b.completion_mask.bool()].abs().max().item()
 
     assert max_mismatch(engine.generate(prompts, n=4)) < 1e-4
-    assert max_mismatch(stale) > 1e-3  # before the sync vLLM sampled from the old weights
+    assert max_mismatch(stale) > 1e-3
+    return metrics
+
+
+def test_vllm_follows_the_policy_after_an_optimizer_step(setup):
+    assert setup[-1].engine.name == "vllm"
+    _vllm_follows_one_optimizer_step(setup, lambda policy: policy)
 
 
 def test_vllm_training_run_and_mismatch_metrics(quick_config, tmp_path):
@@ -103,33 +102,8 @@ def lora_setup(quick_config):
 def test_vllm_samples_the_merged_lora_policy_after_an_optimizer_step(lora_setup):
     """The merged weights (W + (B @ A) * scale under the base model's names) reach vLLM at every sync: its
     greedy tokens are the HF adapted policy's and its log-probs the trainer's, to float32 noise."""
-    cfg, task, tok, module, dm = lora_setup
-    engine = dm.engine
-    engine.sync(PolicyWeights(module.policy), version=0)
-    batch, metrics = module.prepare(dm.collect(step=0).batch)
-    assert metrics["rollout/kl"] == 0.0
-    adapters = [p for p in module.policy.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(adapters, lr=1e-2)
-    module.accumulate_gradients(batch, lambda loss: loss.backward())
-    opt.step()
-    opt.zero_grad()
-
-    prompts = _ids(tok, task.eval_prompts()[:40])
-    stale = engine.generate(prompts, n=4)
-    engine.sync(PolicyWeights(module.policy), version=1)
-    hf = HFEngine(engine.sampling, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
-    hf.sync(module.policy)
-    vllm_greedy = [g[0].token_ids for g in engine.generate(prompts, n=1, greedy=True)]
-    assert vllm_greedy == [g[0].token_ids for g in hf.generate(prompts, n=1, greedy=True)]
-
-    def max_mismatch(groups):
-        b = assemble(prompts, groups, pad_token_id=tok.pad_token_id, rewards=torch.zeros(40, 4))
-        with torch.no_grad():
-            lp = completion_logprobs(module.policy, b, sampling=engine.sampling)
-        return (lp - b.sampler_logprobs)[b.completion_mask.bool()].abs().max().item()
-
-    assert max_mismatch(engine.generate(prompts, n=4)) < 1e-4
-    assert max_mismatch(stale) > 1e-3  # before the sync vLLM sampled from the old adapters
+    metrics = _vllm_follows_one_optimizer_step(lora_setup, PolicyWeights)
+    assert metrics["rollout/kl"] == 0.0  # step 0: B = 0
 
 
 def test_vllm_lora_training_run_keeps_the_sampler_gap_small(quick_config, tmp_path):

@@ -168,7 +168,7 @@ class PolicyGradientModule(L.LightningModule):
         if m.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
         if m.lora is not None:  # adapters over frozen weights; the optimizer then sees only the adapters
-            self.policy = apply_lora(self.policy, m.lora, seed=self.seed)
+            self.policy = apply_lora(self.policy, m.lora, seed=self.seed, under_autocast=m.dtype != "float32")
             self.frozen_names = {f"policy.{name}" for name in frozen_names(self.policy)}
         strategy = self.trainer.strategy if self._trainer is not None else None
         shard = getattr(strategy, "shard", None)  # strategy=fsdp (loorl.training.strategies.FSDPStrategy)
