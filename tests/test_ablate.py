@@ -102,18 +102,20 @@ def test_the_table_is_the_mean_and_interval_of_the_runs(sweep):
     assert set(rows) == {"rloo", "reinforce"}
     for setting, row in rows.items():
         assert row["seeds"] == [0, 1]
-        finals = []
+        finals, folders = [], []
         for folder in sorted(p for p in (out / "runs").iterdir() if p.is_dir()):
             if f"estimator={setting}" in yaml.safe_load((folder / ".hydra" / "overrides.yaml").read_text()):
                 history = json.loads((folder / "metrics.json").read_text())["history"]
                 finals.append(history["val/accuracy"][-1][1])
+                folders.append(folder)
         final = row["metrics"]["final_accuracy"]
         assert sorted(final["values"]) == pytest.approx(sorted(finals))
         assert final["mean"] == pytest.approx(np.mean(finals))
         assert row["metrics"]["gen_tokens"]["mean"] > 0 and row["metrics"]["wall_seconds"]["mean"] > 0
         assert 0 < row["metrics"]["step_seconds"]["mean"] < row["metrics"]["wall_seconds"]["mean"]
         assert row["metrics"]["peak_host_gb"]["mean"] > 0.2  # torch alone is resident at a few hundred MB
-        assert all(math.isnan(v) for v in row["metrics"]["checkpoint_mb"]["values"])  # checkpoint_every 0
+        sizes = [checkpoint_bytes(f / "checkpoints" / "last.ckpt") / 1e6 for f in folders]
+        assert sorted(row["metrics"]["checkpoint_mb"]["values"]) == pytest.approx(sorted(sizes), nan_ok=True)
     table = (out / "table.md").read_text()
     assert "| setting | seeds | final acc. (%) |" in table and "±" in table
     assert "| s/step | peak RSS (GB) | checkpoint (MB) |" in table
