@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import lightning as L
 import torch
@@ -161,7 +162,15 @@ def main() -> None:
         out["kl_coef"] = module.kl_controller.value
         out["rollout_stats"], out["collected_stats"] = stats, collected
         torch.save(out, args.out)
+    world = rank_and_world()[1]
     shutdown()
+    if world > 1:
+        # gloo's threads still abort the interpreter's exit now and then after the process group is gone
+        # ("terminate called without an active exception", exit -6; 1 CI run in about 7): everything
+        # is written, so leave at once, as tests/dist_clip.py does
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
