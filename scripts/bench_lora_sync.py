@@ -42,6 +42,8 @@ from loorl.models.sources import resolve_model_path  # noqa: E402
 from loorl.rollout.engine import PolicyWeights  # noqa: E402
 from loorl.rollout.hf_engine import HFEngine  # noqa: E402
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM's LoRAConfig accepts
+
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(
@@ -82,7 +84,10 @@ def main(argv: list[str]) -> None:
     from vllm.lora.request import LoRARequest
 
     lora_engine.llm = LLM(
-        **lora_engine.arguments(), enable_lora=True, max_lora_rank=s.model.lora.r, max_loras=1
+        **lora_engine.arguments(),
+        enable_lora=True,
+        max_lora_rank=next(v for v in VLLM_LORA_RANKS if v >= s.model.lora.r),
+        max_loras=1,
     )
     vllm_generate = lora_engine.llm.generate
 
