@@ -84,7 +84,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     Resuming (`resume_from`: a checkpoint, or `auto` for the newest under `output_dir`) skips the
     step-0 validation, whose result is in the checkpoint with the rest of the run's history."""
     s = check_config(cfg)
-    reset_peak_memory()  # the summary's peak memory is this run's, also as a multirun's later job
+    reset_peak_memory()  # the summary's peak starts here, not at an earlier multirun job's peak
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
     if keeps_freed_memory(s.run.keep_freed_memory, accelerator=accelerator, cuda_available=cuda_available()):
         keep_freed_memory()

@@ -70,6 +70,13 @@ def check_target_modules(
         )
 
 
+def check_targets_in(model: torch.nn.Module, targets: Iterable[str]) -> None:
+    """`check_target_modules` against `model`'s own linear layers and tied output layer."""
+    check_target_modules(
+        targets, linear_names(model), model_name=type(model).__name__, tied_output=tied_output_name(model)
+    )
+
+
 def tied_output_name(model: torch.nn.Module) -> str | None:
     """The output layer's module name when its weight is the input embedding's, else None."""
     out, emb = model.get_output_embeddings(), model.get_input_embeddings()
@@ -107,14 +114,8 @@ def check_lora(model: ModelSettings) -> None:
 
     if importlib.util.find_spec("peft") is None:
         raise ConfigError('model.lora needs the peft package: pip install -e ".[lora]" (or model.lora=null)')
-    if (tree := skeleton(model)) is None:
-        return
-    check_target_modules(
-        model.lora.target_modules,
-        linear_names(tree),
-        model_name=type(tree).__name__,
-        tied_output=tied_output_name(tree),
-    )
+    if (tree := skeleton(model)) is not None:
+        check_targets_in(tree, model.lora.target_modules)
 
 
 # ---- building ----------------------------------------------------------------------------------
@@ -131,12 +132,7 @@ def apply_lora(model, lora: LoraSettings, *, seed: int, under_autocast: bool = F
     12.3 GB resident either way: its peak is elsewhere (README "LoRA policies")."""
     from peft import LoraConfig, get_peft_model
 
-    check_target_modules(
-        lora.target_modules,
-        linear_names(model),
-        model_name=type(model).__name__,
-        tied_output=tied_output_name(model),
-    )
+    check_targets_in(model, lora.target_modules)
     config = LoraConfig(
         r=lora.r,
         lora_alpha=lora.lora_alpha,
@@ -149,10 +145,9 @@ def apply_lora(model, lora: LoraSettings, *, seed: int, under_autocast: bool = F
         torch.manual_seed(seed)
         peft_model = get_peft_model(model, config)
     if under_autocast:
+        # peft's per-layer switch, the one peft.helpers.disable_input_dtype_casting flips for a block
         for module in peft_model.modules():
-            if hasattr(
-                module, "cast_input_dtype_enabled"
-            ):  # peft's switch (peft.helpers.disable_input_dtype_casting)
+            if hasattr(module, "cast_input_dtype_enabled"):
                 module.cast_input_dtype_enabled = False
     return peft_model
 

@@ -3,13 +3,12 @@ allocator's peak on this rank's GPU (what the summary and `scripts/ablate.py` re
 
 A Hydra multirun trains its jobs one after another in one process, so the host peak since the
 process started would be the largest job's. Linux lets a process restart that peak: writing "5" to
-`/proc/self/clear_refs` resets `VmHWM` (Linux 4.0+), read back from `/proc/self/status`. The
-peak then starts from what is resident, earlier jobs' leftovers included (in one 6-job SmolLM2
-sweep the peaks grew from 7 to 21 GB; `keep_freed_memory` keeps freed pages resident, and whether
-the rest is fragmentation or a leak was not investigated), so a later job's figure is an upper
-bound on its own. Elsewhere
-(or where that file is not writable) the peak is since the process started (`getrusage`), said by
-`host_peak_is_per_run`. No library keeps this (psutil reads VmHWM but cannot reset it)."""
+`/proc/self/clear_refs` resets `VmHWM` (Linux 4.0+), read back from `/proc/self/status`. The peak
+then starts from what is resident, earlier jobs' leftovers included (in one 6-job SmolLM2 sweep the
+peaks grew from 7 to 21 GB; `keep_freed_memory` keeps freed pages resident, and whether the rest is
+fragmentation or a leak was not investigated), so a later job's figure is an upper bound on its own.
+Elsewhere, or where that file is not writable (`reset_peak_memory` returns False), the peak is since
+the process started (`getrusage`). No library keeps this (psutil reads VmHWM but cannot reset it)."""
 
 from __future__ import annotations
 
