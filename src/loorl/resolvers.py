@@ -5,6 +5,11 @@
 - `${loorl.sweep_job:}`: the job's overrides as a name (`estimator=grpo,seed=1`), null outside one.
 - `${loorl.div:a,b}`: a // b for a fixed budget split into groups (`conf/ablation/k.yaml`: prompts per
   step = samples per step / K); an error when b does not divide a.
+- `${loorl.on_rank_zero:x}`: x in the process of global rank 0 (or a single process), null in the
+  others (`hydra.output_subdir`: one `.hydra/` folder per run, however many processes torchrun or srun
+  start in it).
+- `${loorl.per_rank:name}`: name on global rank 0, `name_rank<r>` on the others (`hydra.job.name`, so
+  that each process logs to its own file in a shared run folder).
 - `${loorl.fast_dtype:${trainer.accelerator}}`: 'bfloat16' where bf16 compute is fast on the device
   the run trains on (a timed probe on CPU, `loorl.util.hardware.fast_compute_dtype`), else 'float32'.
 """
@@ -50,7 +55,21 @@ def fast_dtype(accelerator: str = "auto") -> str:
     return fast_compute_dtype(str(accelerator))
 
 
+def on_rank_zero(value):
+    from loorl.parallel.launch import global_rank
+
+    return value if global_rank() == 0 else None
+
+
+def per_rank(name: str) -> str:
+    from loorl.parallel.launch import global_rank
+
+    rank = global_rank()
+    return str(name) if rank == 0 else f"{name}_rank{rank}"
+
+
 def register() -> None:
     for name, fn in (("loorl.sweep_group", sweep_group), ("loorl.sweep_job", sweep_job),
-                     ("loorl.div", exact_div), ("loorl.fast_dtype", fast_dtype)):  # fmt: skip
+                     ("loorl.div", exact_div), ("loorl.fast_dtype", fast_dtype),
+                     ("loorl.on_rank_zero", on_rank_zero), ("loorl.per_rank", per_rank)):  # fmt: skip
         OmegaConf.register_new_resolver(name, fn, replace=True)

