@@ -10,6 +10,7 @@ memory) pin the CPU with `ON_CPU`.
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import json
 from pathlib import Path
@@ -143,3 +144,42 @@ def write_math(root: Path, *, train: int = 32, test: int = 8) -> Path:
                 }
                 f.write(json.dumps(row) + "\n")
     return root
+
+
+# ---- comparing two runs' outputs ----------------------------------------------------------------
+def metric_values(run: Path) -> dict[tuple[str, str], list[str]]:
+    """Every non-timing value of `csv/metrics.csv`, keyed by (metric, epoch), as the CSV wrote it."""
+    out: dict[tuple[str, str], list[str]] = {}
+    with (run / "csv" / "metrics.csv").open(newline="") as f:
+        for row in csv.DictReader(f):
+            for key, value in row.items():
+                if value != "" and key not in ("epoch", "step") and not key.startswith("perf/"):
+                    out.setdefault((key, row["epoch"]), []).append(value)
+    return out
+
+
+def history(run: Path) -> dict:
+    h = json.loads((run / "metrics.json").read_text())["history"]
+    return {k: v for k, v in h.items() if not k.startswith("perf/")}
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    values_a, values_b = metric_values(a), metric_values(b)
+    assert set(values_a) == set(values_b)
+    differing = [(k, values_a[k], values_b[k]) for k in values_a if values_a[k] != values_b[k]]
+    assert not differing, differing[:5]  # exactly equal, as written
+    assert history(a) == history(b)  # the summary's history (and so its plot) covers the whole run
+
+
+def assert_close_runs(a: Path, b: Path, *, rtol: float) -> float:
+    """The same metrics in both runs' CSVs, each value within `rtol` of the other (relative to the larger,
+    absolute below 1); returns the largest relative difference seen."""
+    values_a, values_b = metric_values(a), metric_values(b)
+    assert set(values_a) == set(values_b)
+    worst = 0.0
+    for key, xs in values_a.items():
+        assert len(xs) == len(values_b[key]), key  # every step logged once in each
+        for x, y in zip(map(float, xs), map(float, values_b[key]), strict=True):
+            worst = max(worst, abs(x - y) / max(1.0, abs(x), abs(y)))
+    assert worst <= rtol, worst
+    return worst

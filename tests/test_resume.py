@@ -7,7 +7,6 @@ The runs are real CLI processes (`python src/train.py`), killed with real signal
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import signal
@@ -19,13 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from fixtures import ON_CPU, needs_vllm
+from fixtures import ON_CPU, assert_same_run, needs_vllm
 from loorl.cli.train import train
 from loorl.errors import ConfigError
 from loorl.training.checkpoints import (
     AtomicCheckpointIO,
     atomic_directory,
     complete_checkpoints,
+    previous_metrics_rows,
     read_checkpoint,
 )
 
@@ -61,30 +61,6 @@ def _start_and_signal(cmd: list[str], wait_for: Path, sig: int, delay: float = 0
     proc.send_signal(sig)
     proc.wait(timeout=600)
     return proc
-
-
-def metric_values(run: Path) -> dict[tuple[str, str], list[str]]:
-    """Every non-timing value of `csv/metrics.csv`, keyed by (metric, epoch), as the CSV wrote it."""
-    out: dict[tuple[str, str], list[str]] = {}
-    with (run / "csv" / "metrics.csv").open(newline="") as f:
-        for row in csv.DictReader(f):
-            for key, value in row.items():
-                if value != "" and key not in ("epoch", "step") and not key.startswith("perf/"):
-                    out.setdefault((key, row["epoch"]), []).append(value)
-    return out
-
-
-def history(run: Path) -> dict:
-    h = json.loads((run / "metrics.json").read_text())["history"]
-    return {k: v for k, v in h.items() if not k.startswith("perf/")}
-
-
-def assert_same_run(a: Path, b: Path) -> None:
-    values_a, values_b = metric_values(a), metric_values(b)
-    assert set(values_a) == set(values_b)
-    differing = [(k, values_a[k], values_b[k]) for k in values_a if values_a[k] != values_b[k]]
-    assert not differing, differing[:5]  # exactly equal, as written
-    assert history(a) == history(b)  # the summary's history (and so its plot) covers the whole run
 
 
 @pytest.fixture(scope="module")
@@ -271,3 +247,25 @@ def test_cli_prints_one_error_line_and_exits_2(tmp_path, model_cache):
     done = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
     assert done.stdout.strip().splitlines()[-1].startswith(f"error: resume_from={tmp_path / 'nope.ckpt'}")
+
+
+def test_a_checkpoint_carries_its_epoch_row_for_a_csv_killed_before_writing_it(tmp_path):
+    """Lightning logs an epoch's training row after the epoch's checkpoint: a kill in between leaves the
+    CSV without it, and the resumed run takes it from the checkpoint (EpochRow) instead."""
+    run = tmp_path / "run"
+    (run / "csv").mkdir(parents=True)
+    (run / "csv" / "metrics.csv").write_text(
+        "epoch,rollout/reward,step,train/loss_step\n0,0.25,0,\n0,,0,0.5\n1,,1,0.75\n"  # epoch 1's row missing
+    )
+    row = {"epoch": 1, "step": 1, "values": {"rollout/reward": 0.5625}}
+    state = {"global_step": 2, "epoch": 1, "state_dict": {}, "callbacks": {"EpochRow": {"row": row}}}
+    torch.save(state, run / "last.ckpt")
+    (run / "checkpoints").mkdir()
+    os.replace(run / "last.ckpt", run / "checkpoints" / "last.ckpt")
+    rows = previous_metrics_rows(run / "checkpoints" / "last.ckpt", last_epoch=1)
+    assert [(r["epoch"], r["step"], r.get("rollout/reward", "")) for r in rows] == [
+        ("0", "0", "0.25"), ("0", "0", ""), ("1", "1", ""), ("1", "1", "0.5625")
+    ]  # fmt: skip
+    # a CSV that has it already is left as it is
+    (run / "csv" / "metrics.csv").write_text("epoch,rollout/reward,step\n1,0.5625,1\n")
+    assert len(previous_metrics_rows(run / "checkpoints" / "last.ckpt", last_epoch=1)) == 1

@@ -43,6 +43,7 @@ def run_cli(fn, cfg):
     import os
 
     from loorl.errors import ConfigError
+    from loorl.parallel.distributed import is_distributed, lost_peer, rank_and_world
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     quiet_library_output()
@@ -51,6 +52,22 @@ def run_cli(fn, cfg):
     except ConfigError as err:
         print(f"error: {err}")
         raise SystemExit(2) from None
+    except Exception as err:
+        lost = lost_peer(err) if is_distributed() else None
+        if lost is None:
+            raise
+        rank, world = rank_and_world()
+        log.error("rank %d of %d: lost another process of the run (%s)", rank, world, lost, exc_info=err)
+        print(
+            f"error: rank {rank} of {world} lost another process of the run ({lost}): a process died, or "
+            "stopped answering for trainer.strategy.timeout; its log (train_rank<r>.log in the run folder) "
+            "says why. Checkpoints already written are whole: run the same command with resume_from=auto "
+            "to continue"
+        )
+        logging.shutdown()
+        os._exit(
+            1
+        )  # not the interpreter's exit: gloo's threads on a broken process group can hang or abort it
 
 
 def quiet_library_output() -> None:

@@ -17,15 +17,21 @@ from loorl.cli.console import ProgressLines, run_cli
 from loorl.config import check_config
 from loorl.models.sources import model_label
 from loorl.parallel.distributed import shutdown
+from loorl.parallel.launch import configure_threads
 from loorl.rollout.sync import EngineSync
 from loorl.training.callbacks import HFExport, RunSummary, SampleLog
 from loorl.training.checkpoints import (
     AtomicCheckpointIO,
+    EpochRow,
     GracefulStop,
     previous_metrics_rows,
     replay_metrics_rows,
+    requeue_slurm_job,
     resolve_resume,
+    slurm_environment,
+    slurm_job_id,
 )
+from loorl.training.rank_checks import RankChecks
 from loorl.util.allocator import keep_freed_memory, keeps_freed_memory
 from loorl.util.hardware import cuda_available
 from loorl.util.peak_memory import reset_peak_memory
@@ -84,6 +90,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     Resuming (`resume_from`: a checkpoint, or `auto` for the newest under `output_dir`) skips the
     step-0 validation, whose result is in the checkpoint with the rest of the run's history."""
     s = check_config(cfg)
+    configure_threads(lightning_devices=lightning_launched_processes(cfg))  # before anything computes
     reset_peak_memory()  # the summary's peak starts here, not at an earlier multirun job's peak
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
     if keeps_freed_memory(s.run.keep_freed_memory, accelerator=accelerator, cuda_available=cuda_available()):
@@ -109,10 +116,13 @@ def train(cfg: DictConfig) -> dict[str, float]:
         pass_k=s.run.val_pass_k,
         facts=facts,
     )
+    stop = GracefulStop(checkpoints / "last.ckpt")
     callbacks = [
+        RankChecks(output_dir, resume_step=None if resume is None else resume.epoch + 1),
         EngineSync(datamodule.engine),
         summary,
-        GracefulStop(checkpoints / "last.ckpt"),
+        EpochRow(),  # before the callbacks that write checkpoints
+        stop,
         SampleLog(str(output_dir / "samples.csv"), rows=s.run.sample_rows),
     ]
     if s.run.checkpoint_every:
@@ -146,7 +156,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         callbacks=callbacks,
         precision=trainer_precision(cfg),
         enable_progress_bar=progress_bar,
-        plugins=[AtomicCheckpointIO()],
+        plugins=[AtomicCheckpointIO(), *slurm_environment()],
     )
     note_determinism(trainer, cfg, resuming=resume is not None)
     if resume is None:
@@ -158,8 +168,19 @@ def train(cfg: DictConfig) -> dict[str, float]:
     finally:
         finish_loggers(loggers)
     result = summary.summary(trainer)
+    if (
+        stop.requeue_wanted and trainer.is_global_zero
+    ):  # after every output is written: SLURM ends the job now
+        requeue_slurm_job(slurm_job_id())
     shutdown()
     return result
+
+
+def lightning_launched_processes(cfg: DictConfig) -> int:
+    """The processes Lightning's own launcher will start on this machine (`trainer.devices` on CPU;
+    torchrun and srun describe their own launches in the environment, which wins)."""
+    devices = cfg.trainer.get("devices", 1)
+    return int(devices) if str(devices).isdigit() else 1
 
 
 def finish_loggers(loggers: list) -> None:

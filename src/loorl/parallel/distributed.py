@@ -84,3 +84,19 @@ def shutdown() -> None:
     if is_distributed():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def lost_peer(err: BaseException) -> str | None:
+    """The first line of a collective that failed because another process of the run is gone or hung
+    (a closed connection, gloo's or NCCL's timeout: `trainer.strategy.timeout`), found anywhere in
+    `err`'s chain; None for any other error."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        text = str(err)
+        if isinstance(err, dist.DistError) or (isinstance(err, RuntimeError) and "/gloo/" in text):
+            line = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+            line = line.split("] ", 1)[-1]  # gloo's "[<source file>:<line>] " prefix off
+            return line.split(". ", 1)[0][:200]  # its first sentence (gloo adds advice that does not apply)
+        err = err.__cause__ or err.__context__
+    return None

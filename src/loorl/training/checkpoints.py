@@ -11,7 +11,8 @@
   one it replaces.
 - `previous_metrics_rows` reads the interrupted run's `csv/metrics.csv` up to the checkpoint, so the
   resumed run's CSV covers the whole run.
-- `GracefulStop`: SIGTERM or a first Ctrl-C finishes the RL step, writes `last.ckpt` and stops.
+- `GracefulStop`: SIGTERM, SIGUSR1 or a first Ctrl-C finishes the RL step, writes `last.ckpt` and
+  stops; SIGUSR1 in a SLURM job then requeues it (`requeue_slurm_job`).
 """
 
 from __future__ import annotations
@@ -215,13 +216,52 @@ def check_identity(path: Path, saved: dict | None, current: dict) -> None:
 
 def previous_metrics_rows(checkpoint: Path, last_epoch: int) -> list[dict[str, str]]:
     """The rows of the interrupted run's `csv/metrics.csv` up to and including epoch `last_epoch`
-    (the checkpoint's), read before the new CSV logger replaces the file."""
+    (the checkpoint's), read before the new CSV logger replaces the file; the checkpoint's own copy of
+    its epoch's row (`EpochRow`) where the CSV lacks it (a kill between the two writes)."""
     csv_file = Path(checkpoint).resolve().parent.parent / "csv" / "metrics.csv"
-    if not csv_file.is_file():
-        return []
-    with csv_file.open(newline="") as f:
-        rows = list(csv.DictReader(f))
-    return [r for r in rows if r.get("epoch", "") != "" and int(float(r["epoch"])) <= last_epoch]
+    rows = []
+    if csv_file.is_file():
+        with csv_file.open(newline="") as f:
+            rows = list(csv.DictReader(f))
+    rows = [r for r in rows if r.get("epoch", "") != "" and int(float(r["epoch"])) <= last_epoch]
+    saved = (read_checkpoint(checkpoint).get("callbacks") or {}).get(EpochRow.__name__, {}).get("row")
+    if saved and saved["epoch"] == last_epoch and not _has_row(rows, saved):
+        rows.append({"epoch": str(saved["epoch"]), "step": str(saved["step"])} | {
+            k: repr(v) for k, v in saved["values"].items()
+        })  # fmt: skip
+    return rows
+
+
+def _has_row(rows: list[dict[str, str]], saved: dict) -> bool:
+    """Whether the CSV rows hold the saved epoch row (its epoch, with its first metric filled in)."""
+    key = next(iter(saved["values"]), None)
+    return key is None or any(r["epoch"] == str(saved["epoch"]) and r.get(key, "") != "" for r in rows)
+
+
+class EpochRow(L.Callback):
+    """The training metrics of the epoch a checkpoint ends with, kept in the checkpoint.
+
+    Lightning writes an epoch's reduced training metrics to the loggers after the callbacks'
+    `on_train_epoch_end`, where the epoch's checkpoint is saved: a process killed between the two leaves a
+    checkpoint whose last step has no row in `csv/metrics.csv`. With the row in the checkpoint the resumed
+    run's CSV still holds every step once (`previous_metrics_rows`). Listed before the checkpointing
+    callbacks, so that its row is the one of the epoch they save."""
+
+    def __init__(self) -> None:
+        self.row: dict | None = None
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        # what the logger connector logs once the epoch-end hooks are done (Lightning 2.x, not public API)
+        logged = trainer._logger_connector.metrics["log"]
+        values = {k: float(v) for k, v in logged.items() if k != "epoch"}
+        # the step Lightning logs the epoch's row at (its `_batches_that_stepped - 1`)
+        self.row = {"epoch": trainer.current_epoch, "step": trainer.global_step - 1, "values": values}
+
+    def state_dict(self) -> dict:
+        return {"row": self.row}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.row = None  # only an interrupted run's CSV needs it, and previous_metrics_rows reads it there
 
 
 def replay_metrics_rows(loggers: list, rows: list[dict[str, str]]) -> None:
@@ -238,38 +278,54 @@ def replay_metrics_rows(loggers: list, rows: list[dict[str, str]]) -> None:
         logger.save()
 
 
+REQUEUE_SIGNAL = signal.SIGUSR1  # SLURM's advance notice (`#SBATCH --signal=USR1@<seconds>`), as Lightning's
+
+
 class GracefulStop(L.Callback):
-    """SIGTERM (a scheduler's preemption notice) or a first Ctrl-C: finish the RL step under way, write
-    `last.ckpt` and stop; the end of `fit` then writes the summary, plot and export as usual. A second
-    Ctrl-C interrupts at once. Under several processes a signal on any rank stops all of them at the
-    same step.
+    """SIGTERM (a scheduler's preemption notice), SIGUSR1 (SLURM's notice before the time limit) or a
+    first Ctrl-C: finish the RL step under way, write `last.ckpt` and stop; the end of `fit` then writes
+    the summary, plot and export as usual. A second Ctrl-C interrupts at once. Under several processes
+    a signal on any rank stops all of them at the same step.
+
+    SIGUSR1 inside a SLURM job also asks for the job to be requeued (`requeue_wanted`): `train` calls
+    `requeue_slurm_job` once every output is written, and the job's script, run again by SLURM with
+    `resume_from=auto`, continues from `last.ckpt`. This handler owns these signals: Lightning's own
+    SLURM auto-requeue (which writes `hpc_ckpt_<n>.ckpt` and restores it without the run's earlier
+    metrics) is turned off (`slurm_environment`), so one kind of checkpoint is written.
 
     Lightning's own SIGTERM handling stops after the running batch, before the step's end-of-epoch
     work (validation, checkpoint); the handlers here replace it during training and are restored
     afterwards.
     """
 
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, REQUEUE_SIGNAL)
+
     def __init__(self, checkpoint: Path) -> None:
         self.checkpoint = Path(checkpoint)
         self.requested: str | None = None
+        self.requeue_wanted = False
         self.saved_handlers: dict = {}
 
     def _request(self, signum, frame) -> None:
         if self.requested and signum == signal.SIGINT:
             raise KeyboardInterrupt  # the second Ctrl-C: now
         self.requested = signal.Signals(signum).name
-        log.warning("%s: finishing this RL step, then checkpoint and stop (Ctrl-C again to stop now)",
-                    self.requested)  # fmt: skip
+        if signum == REQUEUE_SIGNAL and slurm_job_id() is not None:
+            self.requeue_wanted = True
+        then = "checkpoint, requeue the SLURM job and stop" if self.requeue_wanted else "checkpoint and stop"
+        log.warning("%s: finishing this RL step, then %s (Ctrl-C again to stop now)", self.requested, then)
 
     def on_train_start(self, trainer, pl_module) -> None:
         if threading.current_thread() is not threading.main_thread():
             return  # signals reach only the main thread
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in self.SIGNALS:
             self.saved_handlers[sig] = signal.signal(sig, self._request)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         stop = trainer.strategy.reduce_boolean_decision(self.requested is not None, all=False)
         if stop and not trainer.should_stop:
+            # every rank requeues (or not) as the ranks that were signalled ask; rank 0 acts on it
+            self.requeue_wanted = trainer.strategy.reduce_boolean_decision(self.requeue_wanted, all=False)
             trainer.save_checkpoint(self.checkpoint)
             log.warning("stopped after RL step %d: %s written", trainer.current_epoch + 1, self.checkpoint)
             trainer.should_stop = True
@@ -284,3 +340,39 @@ class GracefulStop(L.Callback):
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         self._restore()
+
+
+# ---- SLURM ------------------------------------------------------------------------------------------
+def slurm_job_id() -> str | None:
+    """The SLURM job this process runs in (an array task as `<job>_<task>`), None outside SLURM."""
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    if array_job:
+        return f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    return os.environ.get("SLURM_JOB_ID") or None
+
+
+def slurm_environment() -> list:
+    """Lightning's SLURM cluster environment without its auto-requeue, for the Trainer's plugins, when
+    srun started this process (Lightning detects it the same way); else nothing. `GracefulStop` owns
+    the requeue signal instead."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    return [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
+
+
+def requeue_slurm_job(job_id: str) -> bool:
+    """`scontrol requeue <job>`: SLURM ends this job and queues it again (same job id, same script,
+    SLURM_RESTART_COUNT one higher). The job must allow it (`#SBATCH --requeue`)."""
+    import subprocess
+
+    try:
+        done = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, timeout=60)
+    except (FileNotFoundError, subprocess.TimeoutExpired) as err:
+        log.error("could not requeue SLURM job %s (%s): resubmit the same script to continue", job_id, err)
+        return False
+    if done.returncode != 0:
+        log.error("scontrol requeue %s failed (%s): resubmit the same script to continue", job_id,
+                  (done.stderr or done.stdout).strip()[:200])  # fmt: skip
+        return False
+    log.warning("requeued SLURM job %s: it continues from its last checkpoint when it runs again", job_id)
+    return True

@@ -12,10 +12,12 @@ settings, which `PolicyGradientModule.configure_model` applies through `shard`.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed import Backend
+from torch.distributed.constants import default_pg_timeout
 
 from loorl.training.checkpoints import atomic_directory
 
@@ -45,12 +47,14 @@ class FSDPStrategy(ModelParallelStrategy):
         shard_reference: bool = True,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
+        timeout: timedelta = default_pg_timeout,
     ) -> None:
         super().__init__(
             data_parallel_size="auto",
             tensor_parallel_size=1,
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
+            timeout=timeout,
         )
         self.layer_classes = list(layer_classes) if layer_classes else None
         self.reshard_after_forward = reshard_after_forward
