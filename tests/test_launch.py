@@ -5,6 +5,7 @@ and small real processes; the multi-node runs themselves are in tests/test_multi
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import signal
 import time
 from pathlib import Path
@@ -21,7 +22,7 @@ from loorl.parallel.launch import (
     slurm_tasks_on_this_node,
 )
 from loorl.resolvers import on_rank_zero, per_rank
-from loorl.training.checkpoints import GracefulStop
+from loorl.training.checkpoints import GracefulStop, slurm_environment
 from loorl.training.rank_checks import RankFacts, agreement_problem, fitted_threads
 from loorl.util.build_once import build_once
 
@@ -190,3 +191,14 @@ def test_only_sigusr1_inside_a_slurm_job_asks_for_a_requeue(sig, job, requeue, m
     stop._request(sig, None)
     assert stop.requested == signal.Signals(sig).name  # every one of them checkpoints and stops
     assert stop.requeue_wanted is requeue
+
+
+def test_lightning_keeps_its_slurm_environment_without_its_requeue_handler(monkeypatch):
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(key)
+    assert slurm_environment() == []  # not under srun: Lightning's own detection picks the environment
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "2")
+    monkeypatch.setenv("SLURM_JOB_NAME", "loorl")
+    (env,) = slurm_environment()
+    assert type(env).__name__ == "SLURMEnvironment" and env.auto_requeue is False
