@@ -183,3 +183,12 @@ def assert_close_runs(a: Path, b: Path, *, rtol: float) -> float:
             worst = max(worst, abs(x - y) / max(1.0, abs(x), abs(y)))
     assert worst <= rtol, worst
     return worst
+
+
+RUN_OUTPUTS = ("summary.md", "metrics.json", "learning_curve.png", "samples.csv", "csv", "policy", ".hydra")
+
+
+def assert_run_outputs(run: Path) -> None:
+    """Every output a finished run writes is in `run`."""
+    missing = [name for name in RUN_OUTPUTS if not (run / name).exists()]
+    assert not missing, missing

@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fixtures import ON_CPU, assert_close_runs, assert_same_run
+from fixtures import ON_CPU, assert_close_runs, assert_run_outputs, assert_same_run
 from loorl.training.checkpoints import complete_checkpoints, read_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,16 +170,7 @@ def test_a_folder_per_node_gets_one_writer_and_refuses_a_resume_it_cannot_agree_
     assert both.count("waiting for another process to finish building the tiny model") == 1
     writer = next(f for f in folders if (f / "summary.md").exists())
     other = next(f for f in folders if f != writer)
-    for name in (
-        "summary.md",
-        "metrics.json",
-        "learning_curve.png",
-        "samples.csv",
-        "csv",
-        "policy",
-        ".hydra",
-    ):
-        assert (writer / name).exists(), name
+    assert_run_outputs(writer)
     assert complete_checkpoints(writer)
     assert sorted(p.name for p in other.rglob("*") if p.is_file()) == ["train_rank1.log"]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures import ON_CPU, assert_same_run
+from fixtures import ON_CPU, assert_run_outputs, assert_same_run
 
 pytestmark = pytest.mark.slow
 
@@ -81,16 +81,7 @@ def test_the_batch_script_trains_on_a_real_cluster(slurm_env, tmp_path):
     assert "intra-op threads: 1 per process (SLURM_CPUS_PER_TASK)" in out
     assert "auto-requeueing" not in out  # Lightning's SLURM requeue handler is off: loorl's owns the signal
     assert sorted(p.name for p in run.glob("*.log")) == ["train.log", "train_rank1.log"]
-    for name in (
-        "summary.md",
-        "metrics.json",
-        "learning_curve.png",
-        "samples.csv",
-        "csv",
-        "policy",
-        ".hydra",
-    ):
-        assert (run / name).exists(), name
+    assert_run_outputs(run)
 
 
 def test_a_job_signalled_before_its_limit_requeues_and_resumes_to_the_same_run(slurm_env, tmp_path):
