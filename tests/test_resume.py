@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fixtures import ON_CPU, assert_same_run, needs_vllm
+from fixtures import ON_CPU, assert_same_run, needs_vllm, needs_wandb
 from loorl.cli.train import train
 from loorl.errors import ConfigError
 from loorl.training.checkpoints import (
@@ -269,3 +269,16 @@ def test_a_checkpoint_carries_its_epoch_row_for_a_csv_killed_before_writing_it(t
     # a CSV that has it already is left as it is
     (run / "csv" / "metrics.csv").write_text("epoch,rollout/reward,step\n1,0.5625,1\n")
     assert len(previous_metrics_rows(run / "checkpoints" / "last.ckpt", last_epoch=1)) == 1
+
+
+@needs_wandb
+def test_a_resumed_run_logs_into_the_wandb_run_it_continues(tmp_path, model_cache):
+    run = tmp_path / "run"
+    base = [sys.executable, str(ROOT / "src" / "train.py"), "debug=quick", f"model.cache_dir={model_cache}",
+            *ON_CPU, f"hydra.run.dir={run}", "logger=[csv,wandb]", "checkpoint_every=2"]  # fmt: skip
+    _run([*base, "rl.steps=2"])
+    (started,) = (run / "wandb").glob("offline-run-*")
+    _run([*base, "rl.steps=4", "resume_from=auto"])
+    runs = sorted((run / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and started in runs
+    assert {r.name.rsplit("-", 1)[1] for r in runs} == {started.name.rsplit("-", 1)[1]}  # one wandb run id

@@ -10,7 +10,7 @@ import lightning as L
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from loorl.build import build_run, build_task, identity
 from loorl.cli.console import ProgressLines, run_cli
@@ -25,6 +25,7 @@ from loorl.training.checkpoints import (
     EpochRow,
     GracefulStop,
     previous_metrics_rows,
+    previous_wandb_run_id,
     replay_metrics_rows,
     requeue_slurm_job,
     resolve_resume,
@@ -146,6 +147,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     earlier_rows = []  # the interrupted run's CSV rows up to its checkpoint (a new CSV logger replaces them)
     if resume is not None and rank_zero_only.rank == 0:
         earlier_rows = previous_metrics_rows(resume.path, last_epoch=resume.epoch)
+    if resume is not None and "wandb" in (cfg.logger or {}):
+        continue_wandb_run(cfg.logger.wandb, previous_wandb_run_id(resume.path))
     loggers = [instantiate(c) for c in (cfg.logger or {}).values()]
     replay_metrics_rows(loggers, earlier_rows)
     for logger in loggers:  # the resolved config beside the metrics (CSV: hparams.yaml; wandb: its config)
@@ -181,6 +184,17 @@ def lightning_launched_processes(cfg: DictConfig) -> int:
     torchrun and srun describe their own launches in the environment, which wins)."""
     devices = cfg.trainer.get("devices", 1)
     return int(devices) if str(devices).isdigit() else 1
+
+
+def continue_wandb_run(wandb_cfg: DictConfig, run_id: str | None) -> None:
+    """A resumed run logs into the wandb run it continues (same id, `resume="allow"`), as its CSV and
+    summary continue; without an earlier wandb run, wandb starts one."""
+    if run_id is None or wandb_cfg.get("id"):
+        return
+    with open_dict(wandb_cfg):
+        wandb_cfg.id = run_id
+        wandb_cfg.resume = "allow"
+    log.info("continuing wandb run %s", run_id)
 
 
 def finish_loggers(loggers: list) -> None:

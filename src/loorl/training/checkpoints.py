@@ -232,6 +232,16 @@ def previous_metrics_rows(checkpoint: Path, last_epoch: int) -> list[dict[str, s
     return rows
 
 
+def previous_wandb_run_id(checkpoint: Path) -> str | None:
+    """The id of the newest wandb run in the run folder that wrote `checkpoint` (`wandb/run-<time>-<id>`,
+    or `offline-run-<time>-<id>`), so that a resumed run logs into the same wandb run; None if none."""
+    runs = sorted(
+        (Path(checkpoint).resolve().parent.parent / "wandb").glob("*run-*-*"),
+        key=lambda p: p.name.split("run-", 1)[1],  # by start time, offline or not
+    )
+    return runs[-1].name.rsplit("-", 1)[1] if runs else None
+
+
 def _has_row(rows: list[dict[str, str]], saved: dict) -> bool:
     """Whether the CSV rows hold the saved epoch row (its epoch, with its first metric filled in)."""
     key = next(iter(saved["values"]), None)
