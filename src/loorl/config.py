@@ -176,6 +176,11 @@ def check_parallel(cfg: DictConfig, s: Settings) -> None:
                 "need a data-parallel strategy; add strategy=ddp or strategy=fsdp"
             )
         return
+    if s.rollout.async_steps:
+        raise ConfigError(
+            f"rollout.async_steps={s.rollout.async_steps} runs in one process so far (its pending rollout is "
+            f"one rank's): set rollout.async_steps=0 for strategy={kind}, or train in one process"
+        )
     if isinstance(devices, int) or str(devices).isdigit():  # "auto" / -1: known once launched (checked then)
         world, where = int(devices) * nodes, f"trainer.devices={devices} x trainer.num_nodes={nodes}"
         check_world_divides(s.rl.prompts_per_step, s.rl.prompts_per_minibatch, world, where)

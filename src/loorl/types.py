@@ -125,6 +125,13 @@ class Rollout:
     step: int  # the RL iteration it belongs to
     batch: RolloutBatch
     stats: dict[str, float] = field(default_factory=dict)
+    policy_version: int | None = None  # the RL steps of training behind the weights that sampled it;
+    # None: `step` (on-policy). One step off (rollout.async_steps=1): step - 1 from the second step on
+
+    @property
+    def policy_lag(self) -> int:
+        """How many updates the sampling weights are behind the weights it is trained with."""
+        return 0 if self.policy_version is None else self.step - self.policy_version
 
     def to(self, device) -> Rollout:
-        return Rollout(step=self.step, batch=self.batch.to(device), stats=self.stats)
+        return Rollout(self.step, self.batch.to(device), self.stats, self.policy_version)

@@ -197,6 +197,8 @@ class LossStats:
     log_ratio: float = 0.0  # log pi_train - log pi_sampler (the sampler/trainer mismatch)
     log_ratio_max: float = 0.0  # the largest |log ratio| (a maximum, not a sum)
     tis_weight: float | None = None  # with truncated importance sampling
+    ratio: float | None = None  # off-policy: sum of pi_train / pi_old over tokens (old: the behaviour policy)
+    ratio_sq: float | None = None  # and of its square (the ratio's spread)
     kl: float | None = None  # with a KL loss term
     grad_norm: float | None = None  # with gradient clipping: summed over steps
 
@@ -213,7 +215,7 @@ class LossStats:
         normalised by the global counts, so the losses add up to the global loss), the maximum of
         `log_ratio_max`; `steps` and `grad_norm` are the same on every rank (the gradient is
         all-reduced before it is clipped) and stay as they are."""
-        names = ("loss", "tokens", "entropy", "clipped", "log_ratio", "tis_weight", "kl")
+        names = ("loss", "tokens", "entropy", "clipped", "log_ratio", "tis_weight", "ratio", "ratio_sq", "kl")
         summed = [f for f in names if getattr(self, f) is not None]
         totals = all_reduce([getattr(self, f) for f in summed]).tolist()
         return replace(
@@ -233,6 +235,10 @@ class LossStats:
         }
         if self.tis_weight is not None:
             metrics["train/tis_weight_mean"] = self.tis_weight / tokens
+        if self.ratio is not None:  # off-policy: the importance ratio's mean and spread over tokens
+            mean = self.ratio / tokens
+            metrics["train/ratio_mean"] = mean
+            metrics["train/ratio_std"] = max(self.ratio_sq / tokens - mean * mean, 0.0) ** 0.5
         if self.kl is not None:
             metrics["train/kl"] = self.kl / tokens
         if self.grad_norm is not None:
@@ -274,6 +280,9 @@ def policy_loss(
         log_ratio=float(log_ratio.sum()),
         log_ratio_max=float(log_ratio.abs().max()) if mask.any() else 0.0,
     )
+    if batch.old_logprobs is not None:  # off-policy: pi_train / pi_old, the ratio the clipped loss uses
+        ratio = torch.where(mask.bool(), torch.exp(logprobs.detach() - batch.old_logprobs), 0.0)  # [n, C]
+        stats.ratio, stats.ratio_sq = float(ratio.sum()), float((ratio * ratio).sum())
     if settings.tis_cap is not None:
         weight = torch.exp(log_ratio).clamp(max=settings.tis_cap)  # [n, C] truncated IS weight, no gradient
         tok_loss = tok_loss * weight  # [n, C]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import zlib
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import fields
 
 import lightning as L
 import numpy as np
@@ -38,7 +39,7 @@ from loorl.rollout.batch import assemble
 from loorl.rollout.engine import RolloutEngine
 from loorl.settings import RLSettings, RolloutSettings
 from loorl.tasks.base import Task
-from loorl.types import Completion, Prompt, Rollout
+from loorl.types import Completion, Prompt, Rollout, RolloutBatch
 from loorl.util.profiling import PhaseClock
 
 
@@ -97,6 +98,16 @@ def engine_precision(engine: RolloutEngine, trainer) -> AbstractContextManager:
     return trainer.precision_plugin.forward_context()
 
 
+def rollout_to_dict(rollout: Rollout) -> dict:
+    """A rollout as plain values (tensors, numbers, strings), for a checkpoint."""
+    return {"step": rollout.step, "policy_version": rollout.policy_version, "stats": dict(rollout.stats),
+            "batch": {f.name: getattr(rollout.batch, f.name) for f in fields(rollout.batch)}}  # fmt: skip
+
+
+def rollout_from_dict(d: dict) -> Rollout:
+    return Rollout(d["step"], RolloutBatch(**d["batch"]), dict(d["stats"]), d["policy_version"])
+
+
 def _own_generator() -> torch.Generator:
     """A DataLoader draws a seed for its workers when iterated, from the global torch RNG unless it
     has a generator of its own; the sampler's random stream must not depend on when that happens."""
@@ -129,6 +140,7 @@ class RolloutDataModule(L.LightningDataModule):
             )
         self.eval_split, self.eval_limit = eval_split, eval_limit
         self.rewards = rewards or RewardComposer([WeightedReward("task", TASK_VERIFIER)], task=task)
+        self.pending: dict[int, Rollout] = {}  # one step off: the next step's rollout, sampled ahead
 
     # ---- prompts -------------------------------------------------------------------------------
     def encode_prompts(self, prompts: list[Prompt]) -> list[list[int]]:
@@ -178,8 +190,39 @@ class RolloutDataModule(L.LightningDataModule):
     # ---- one RL iteration ----------------------------------------------------------------------
     @torch.no_grad()
     def collect(self, step: int) -> Rollout:
-        """Step `step`'s prompts, K completions each from the engine's current weights, their grades."""
-        return self.rollout(self.prompts_for_step(step), seed=self.sampler_seed("rollout", step), step=step)
+        """Step `step`'s rollout. Synchronous (`rollout.async_steps=0`): its prompts, K completions each
+        from the engine's current weights (step `step`'s), their grades.
+
+        One step off (`async_steps=1`): the rollout sampled during the previous step, with that step's
+        weights (one policy version old), and step `step + 1`'s sampled now, with these weights, kept
+        for the next step (and in the checkpoint: `state_dict`). Each rollout's prompts and sampler
+        seed are those of its own step, as in the synchronous loop, and its weights are those of the
+        step before: the result does not depend on timing. The first step has nothing older and
+        samples its own (lag 0)."""
+        if not self.settings.async_steps:
+            seed = self.sampler_seed("rollout", step)
+            return self.rollout(self.prompts_for_step(step), seed=seed, step=step)
+        current = self.pending.pop(step, None) or self._sample(step, policy_version=step)
+        if step + 1 < self.rl.steps:
+            self.pending[step + 1] = self._sample(step + 1, policy_version=step)
+        return current
+
+    def _sample(self, step: int, *, policy_version: int) -> Rollout:
+        seed = self.sampler_seed("rollout", step)
+        rollout = self.rollout(self.prompts_for_step(step), seed=seed, step=step)
+        rollout.policy_version = policy_version
+        rollout.stats["rollout/policy_lag"] = float(rollout.policy_lag)
+        return rollout
+
+    # the rollout sampled ahead (one step off) is part of the run's state: a resume trains on it. As plain
+    # dicts of tensors and numbers: Lightning loads checkpoints with torch.load(weights_only=True)
+    def state_dict(self) -> dict:
+        if not self.settings.async_steps:
+            return {}
+        return {"pending": {step: rollout_to_dict(r) for step, r in self.pending.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pending = {int(step): rollout_from_dict(d) for step, d in state.get("pending", {}).items()}
 
     @torch.no_grad()
     def rollout(self, prompts: list[Prompt], *, seed: int, step: int = 0) -> Rollout:

@@ -197,8 +197,13 @@ class PolicyGradientModule(L.LightningModule):
 
     # ---- what the learner adds to a rollout ----------------------------------------------------
     @torch.no_grad()
-    def prepare(self, batch: RolloutBatch) -> tuple[RolloutBatch, dict[str, float]]:
+    def prepare(self, batch: RolloutBatch, *, stale: bool = False) -> tuple[RolloutBatch, dict[str, float]]:
         """Old and reference log-probs, the KL penalty and the advantages of a rollout batch.
+
+        `stale`: the batch was sampled with older weights than the policy's (one step off,
+        `rollout.async_steps=1`). Its old log-probs are then the sampler's, those of the policy that
+        produced the samples, so the importance ratio pi / pi_sampler corrects for the lag (the
+        clipped surrogate; `auto` picks it whenever old log-probs are set).
 
         Returns the batch with them filled in, and the rollout metrics they give. Advances the KL
         controller with the measured KL."""
@@ -211,11 +216,14 @@ class PolicyGradientModule(L.LightningModule):
         policy_logprobs = None  # [N, C] the trained policy's, where they can differ from the sampler's
         ref = self.reference
         if off_policy or (
-            ref is not None and (ref.kl_from_policy_pass or not self.sampler_logprobs_match_trainer)
+            ref is not None and (stale or ref.kl_from_policy_pass or not self.sampler_logprobs_match_trainer)
         ):
             with cached_autocast(self.device):
                 policy_logprobs = completion_logprobs(self.policy, batch, **score)  # [N, C]
-        batch = replace(batch, old_logprobs=policy_logprobs if off_policy else None)
+        if stale:  # the behaviour policy is the sampler's, whatever the number of passes over the batch
+            batch = replace(batch, old_logprobs=batch.sampler_logprobs)
+        else:
+            batch = replace(batch, old_logprobs=policy_logprobs if off_policy else None)
         # The estimators see the whole step: every rank's rows, gathered in rank order (whitening and
         # the KL controller then match one process on all B groups); this rank keeps its own rows.
         rank, world = rank_and_world()
@@ -250,7 +258,7 @@ class PolicyGradientModule(L.LightningModule):
         is M/W groups from every rank (`minibatch_prompts`), normalised by the global counts."""
         clock = self.clock
         with clock.phase("prepare"):
-            batch, rollout_metrics = self.prepare(rollout.batch)
+            batch, rollout_metrics = self.prepare(rollout.batch, stale=rollout.policy_lag > 0)
         t0 = time.perf_counter()
         opt, stats = self.optimizers(), LossStats()
         world = rank_and_world()[1]

@@ -1,0 +1,158 @@
+"""One step off (`rollout.async_steps=1`): step t+1's rollout is sampled with step t's weights, the loss
+corrects for the lag with the sampler's log-probs, runs repeat exactly, and a resume trains on the
+rollout that was sampled ahead (it is in the checkpoint).
+
+This is the schedule and its correction; generation does not yet overlap training (README "One step
+off"), so these tests are about what is computed, not how fast."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import signal
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from fixtures import assert_same_run
+from loorl.algo.logprobs import completion_logprobs
+from loorl.build import build_module, build_task
+from loorl.config import check_config
+from loorl.errors import ConfigError
+from loorl.models.sources import resolve_model_path
+from loorl.types import RolloutBatch
+from test_resume import _command, _run, _start_and_signal
+
+ASYNC = "rollout.async_steps=1"
+
+
+# ---- the off-policy gradient ------------------------------------------------------------------------
+def _module_and_stale_batch(quick_cfg):
+    """The quick run's learner, and a batch of 2 groups x K=2 sampled by an older policy: its sampler
+    log-probs are those of the policy one (perturbed) update back."""
+    s = check_config(quick_cfg("rl.prompts_per_step=2", "rl.prompts_per_minibatch=2",
+                               "rl.prompts_per_microbatch=2", "rl.samples_per_prompt=2"))  # fmt: skip
+    module = build_module(s, resolve_model_path(s.model, s.task, build_task(s)))
+    module.configure_model()  # the policy, in float32 (the quick profile's master dtype)
+    older = copy.deepcopy(module.policy)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in older.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # one step behind, roughly
+    g = torch.Generator().manual_seed(1)
+    n, prompt_len, c = 4, 3, 5
+    vocab = module.policy.config.vocab_size
+    ids = torch.randint(3, vocab, (n, prompt_len + c), generator=g)  # [N, P + C]
+    ids[1::2, :prompt_len] = ids[0::2, :prompt_len]  # a group's samples share their prompt
+    batch = RolloutBatch(
+        input_ids=ids,
+        attention_mask=torch.ones(n, prompt_len + c, dtype=torch.long),
+        completion_mask=torch.tensor([[1.0] * 5, [1.0] * 3 + [0.0] * 2, [1.0] * 4 + [0.0], [1.0] * 5]),
+        sampler_logprobs=torch.zeros(n, c),
+        rewards=torch.tensor([1.0, 0.0, 0.0, 1.0]),
+        samples_per_prompt=2,
+        prompt_len=prompt_len,
+    )
+    with torch.no_grad():
+        sampler = completion_logprobs(older, batch, sampling=module.sampling)  # [N, C]
+    return module, replace(batch, sampler_logprobs=sampler)
+
+
+def _gradient(module, batch) -> dict[str, torch.Tensor]:
+    module.policy.zero_grad(set_to_none=True)
+    module.accumulate_gradients(batch, lambda loss: loss.backward())
+    return {k: p.grad.clone() for k, p in module.policy.named_parameters() if p.grad is not None}
+
+
+def test_a_stale_rollout_is_trained_with_the_hand_computed_off_policy_gradient(quick_cfg):
+    """With `stale=True` (what a one-step-off rollout gets) the gradient is the clipped importance-weighted
+    one, with ratio r = pi / pi_sampler per token and `active` where PPO's unclipped branch is the minimum:
+        g = -(1 / num_seqs) sum_i A_i sum_t active_it r_it grad log pi_it
+    computed here by hand from the policy's log-probs; the synchronous path (ratio 1) gives another."""
+    module, batch = _module_and_stale_batch(quick_cfg)
+    prepared, _ = module.prepare(batch, stale=True)
+    assert torch.equal(prepared.old_logprobs, batch.sampler_logprobs)  # the behaviour policy's log-probs
+
+    got = _gradient(module, prepared)
+
+    module.policy.zero_grad(set_to_none=True)
+    logp = completion_logprobs(module.policy, batch, sampling=module.sampling)  # [N, C] with gradient
+    ratio = torch.exp(logp.detach() - batch.sampler_logprobs)  # [N, C]
+    a = prepared.advantages[:, None]  # [N, 1]
+    low, high = 1 - module.loss_settings.clip_low, 1 + module.loss_settings.clip_high
+    # PPO's min(r A, clip(r) A) has the gradient of r A where the unclipped branch is the minimum
+    active = torch.where(a > 0, ratio <= high, ratio >= low).float()  # [N, C]
+    mask = batch.completion_mask
+    by_hand = -(a * active * ratio * logp * mask).sum() / len(mask)  # seq-mean-token-sum over 4 sequences
+    by_hand.backward()
+    expected = {k: p.grad.clone() for k, p in module.policy.named_parameters() if p.grad is not None}
+    assert got.keys() == expected.keys()
+    for k in got:
+        torch.testing.assert_close(got[k], expected[k], rtol=1e-4, atol=1e-6)
+    assert float(((ratio - 1).abs() * mask).max()) > 0.01  # the lag is real: the ratios are not 1
+
+    on_policy, _ = module.prepare(batch, stale=False)
+    assert on_policy.old_logprobs is None  # the synchronous loss (REINFORCE, ratio 1)
+    sync = _gradient(module, on_policy)
+    assert max(float((sync[k] - got[k]).abs().max()) for k in got) > 1e-4
+
+
+# ---- runs -------------------------------------------------------------------------------------------
+def _rows(run: Path) -> list[dict[str, str]]:
+    with (run / "csv" / "metrics.csv").open(newline="") as f:
+        return [r for r in csv.DictReader(f) if r.get("rollout/policy_lag")]
+
+
+def test_one_step_off_lags_one_version_corrects_and_repeats_exactly(tmp_path, model_cache):
+    runs = [tmp_path / name for name in ("a", "b", "sync")]
+    for run in runs[:2]:
+        _run(_command(run, model_cache, ASYNC))
+    _run(_command(runs[2], model_cache))
+    rows = _rows(runs[0])
+    assert [float(r["rollout/policy_lag"]) for r in rows] == [0.0] + [1.0] * 29
+    assert rows[0].get("train/ratio_mean", "") == ""  # the first step samples its own rollout: on-policy
+    for r in rows[1:]:  # the others are corrected: importance ratios, their spread, the clipped share
+        assert abs(float(r["train/ratio_mean"]) - 1) < 0.5 and float(r["train/ratio_std"]) > 0
+        assert 0 <= float(r["train/clip_frac"]) <= 1
+    assert_same_run(runs[0], runs[1])  # two runs, one seed: the same to the last digit
+    sync = {r["epoch"]: r["rollout/reward"] for r in csv.DictReader((runs[2] / "csv" / "metrics.csv").open())
+            if r.get("rollout/reward")}  # fmt: skip
+    assert sync["0"] == rows[0]["rollout/reward"]  # the same first step (the same weights sample it)
+    assert any(sync[r["epoch"]] != r["rollout/reward"] for r in rows[1:])  # then older weights sample
+
+
+def test_a_killed_one_step_off_run_resumes_to_the_same_run(tmp_path, model_cache):
+    """The rollout sampled ahead is in the checkpoint: the resumed run trains on it, as the
+    uninterrupted run did (regenerating it would need the previous step's weights)."""
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    _run(_command(straight, model_cache, ASYNC))
+    first = run / "checkpoints" / "epoch=19-step=20.ckpt"
+    killed = _start_and_signal(_command(run, model_cache, ASYNC), first, signal.SIGKILL)
+    assert killed.returncode == -signal.SIGKILL
+    saved = torch.load(first, map_location="cpu", weights_only=False)["RolloutDataModule"]["pending"]
+    assert list(saved) == [20] and saved[20]["policy_version"] == 19  # step 20's rollout, step 19's weights
+    _run(_command(run, model_cache, ASYNC, "resume_from=auto"))
+    assert_same_run(straight, run)
+
+
+# ---- settings -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ((ASYNC, "strategy=ddp", "trainer.devices=2"), "rollout.async_steps=1 runs in one process so far"),
+        (("rollout.async_steps=2",), "rollout.async_steps"),
+    ],
+)
+def test_one_step_off_settings_that_cannot_run_are_one_line(quick_cfg, overrides, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        check_config(quick_cfg(*overrides))
+    assert "\n" not in str(err.value)
+
+
+def test_async_steps_composes_with_every_engine(quick_cfg):
+    for engine in ("hf", "vllm", "auto"):
+        s = check_config(quick_cfg(f"rollout={engine}", ASYNC))
+        assert s.rollout.async_steps == 1
+    assert check_config(quick_cfg()).rollout.async_steps == 0  # synchronous by default
