@@ -105,17 +105,23 @@ def _rows(run: Path) -> list[dict[str, str]]:
         return [r for r in csv.DictReader(f) if r.get("rollout/policy_lag")]
 
 
-def test_one_step_off_lags_one_version_corrects_and_repeats_exactly(tmp_path, model_cache):
-    runs = [tmp_path / name for name in ("a", "b", "sync")]
-    for run in runs[:2]:
-        _run(_command(run, model_cache, ASYNC))
-    _run(_command(runs[2], model_cache))
-    rows = _rows(runs[0])
+def _assert_lagged_and_corrected(run: Path) -> list[dict[str, str]]:
+    rows = _rows(run)
     assert [float(r["rollout/policy_lag"]) for r in rows] == [0.0] + [1.0] * 29
     assert rows[0].get("train/ratio_mean", "") == ""  # the first step samples its own rollout: on-policy
     for r in rows[1:]:  # the others are corrected: importance ratios, their spread, the clipped share
         assert abs(float(r["train/ratio_mean"]) - 1) < 0.5 and float(r["train/ratio_std"]) > 0
         assert 0 <= float(r["train/clip_frac"]) <= 1
+    return rows
+
+
+@pytest.mark.slow  # the resume test below repeats a run exactly too (resumed == uninterrupted)
+def test_one_step_off_lags_one_version_corrects_and_repeats_exactly(tmp_path, model_cache):
+    runs = [tmp_path / name for name in ("a", "b", "sync")]
+    for run in runs[:2]:
+        _run(_command(run, model_cache, ASYNC))
+    _run(_command(runs[2], model_cache))
+    rows = _assert_lagged_and_corrected(runs[0])
     assert_same_run(runs[0], runs[1])  # two runs, one seed: the same to the last digit
     sync = {r["epoch"]: r["rollout/reward"] for r in csv.DictReader((runs[2] / "csv" / "metrics.csv").open())
             if r.get("rollout/reward")}  # fmt: skip
@@ -128,6 +134,7 @@ def test_a_killed_one_step_off_run_resumes_to_the_same_run(tmp_path, model_cache
     uninterrupted run did (regenerating it would need the previous step's weights)."""
     straight, run = tmp_path / "straight", tmp_path / "run"
     _run(_command(straight, model_cache, ASYNC))
+    _assert_lagged_and_corrected(straight)
     first = run / "checkpoints" / "epoch=19-step=20.ckpt"
     killed = _start_and_signal(_command(run, model_cache, ASYNC), first, signal.SIGKILL)
     assert killed.returncode == -signal.SIGKILL
