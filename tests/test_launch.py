@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 from loorl.parallel.distributed import lost_peer
 from loorl.parallel.launch import (
-    global_rank,
     intra_op_threads,
     processes_on_this_node,
     slurm_tasks_on_this_node,
@@ -77,27 +76,14 @@ def test_no_srun_step_no_slurm_task_count():
     assert slurm_tasks_on_this_node({"SLURM_TASKS_PER_NODE": "2"}) is None
 
 
-@pytest.mark.parametrize(
-    "env, rank",
-    [({}, 0), ({"RANK": "3", "SLURM_PROCID": "0"}, 3), ({"SLURM_PROCID": "5"}, 5),
-     ({"LOCAL_RANK": "1", "SLURM_PROCID": "0"}, 1)],  # Lightning's launcher inside a SLURM batch script
-)  # fmt: skip
-def test_global_rank_reads_what_lightning_reads(env, rank, monkeypatch):
-    assert global_rank(env) == rank
-    for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID"):
-        monkeypatch.delenv(key, raising=False)
-    for key, value in env.items():
-        monkeypatch.setenv(key, value)
-    from lightning.fabric.utilities.rank_zero import _get_rank
-
-    assert (_get_rank() or 0) == rank
-
-
 def test_hydra_outputs_are_written_by_rank_zero_only(monkeypatch):
-    for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID"):
-        monkeypatch.delenv(key, raising=False)
+    """The resolvers follow the rank Lightning read from torchrun's, srun's or its own launcher's
+    environment (`rank_zero_only.rank`)."""
+    from lightning.pytorch.utilities import rank_zero_only
+
+    monkeypatch.setattr(rank_zero_only, "rank", 0)
     assert (on_rank_zero(".hydra"), per_rank("train")) == (".hydra", "train")
-    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setattr(rank_zero_only, "rank", 2)
     assert (on_rank_zero(".hydra"), per_rank("train")) == (None, "train_rank2")
 
 

@@ -56,15 +56,15 @@ def fast_dtype(accelerator: str = "auto") -> str:
 
 
 def on_rank_zero(value):
-    from loorl.parallel.launch import global_rank
+    from lightning.pytorch.utilities import rank_zero_only  # the rank torchrun, srun or Lightning gave
 
-    return value if global_rank() == 0 else None
+    return value if rank_zero_only.rank == 0 else None
 
 
 def per_rank(name: str) -> str:
-    from loorl.parallel.launch import global_rank
+    from lightning.pytorch.utilities import rank_zero_only
 
-    rank = global_rank()
+    rank = rank_zero_only.rank
     return str(name) if rank == 0 else f"{name}_rank{rank}"
 
 

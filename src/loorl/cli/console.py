@@ -65,9 +65,8 @@ def run_cli(fn, cfg):
             "to continue"
         )
         logging.shutdown()
-        os._exit(
-            1
-        )  # not the interpreter's exit: gloo's threads on a broken process group can hang or abort it
+        # not the interpreter's exit: gloo's threads on a broken process group can hang or abort it
+        os._exit(1)
 
 
 def quiet_library_output() -> None:

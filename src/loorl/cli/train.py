@@ -171,9 +171,8 @@ def train(cfg: DictConfig) -> dict[str, float]:
     finally:
         finish_loggers(loggers)
     result = summary.summary(trainer)
-    if (
-        stop.requeue_wanted and trainer.is_global_zero
-    ):  # after every output is written: SLURM ends the job now
+    # after every output is written, since SLURM ends the job as soon as it is requeued
+    if stop.requeue_wanted and trainer.is_global_zero:
         requeue_slurm_job(slurm_job_id())
     shutdown()
     return result

@@ -1,5 +1,6 @@
-"""What the launcher gave this process, read from its environment before any model loads: its global
-rank, how many processes share its node, and so how many CPU threads its matrix products may use.
+"""What the launcher gave this process, read from its environment before any model loads: how many
+processes share its node, and so how many CPU threads its matrix products may use. (Its global rank
+is Lightning's `rank_zero_only.rank`, read from the same environment when Lightning is imported.)
 
 torchrun, SLURM's srun and Lightning's own launcher start the processes of a multi-process run; each
 describes the placement in its own variables. Threads are set here, first thing in a run, because
@@ -19,18 +20,9 @@ from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
+from lightning.pytorch.utilities import rank_zero_only
 
 log = logging.getLogger("loorl")
-
-
-def global_rank(env: Mapping[str, str] = os.environ) -> int:
-    """This process's rank over the whole run: torchrun's RANK, else LOCAL_RANK (Lightning's own
-    launcher starts `trainer.devices` processes on one node with only LOCAL_RANK set), else srun's
-    SLURM_PROCID, else 0. The order Lightning's `rank_zero_only` reads them in, so both agree."""
-    for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID"):
-        if env.get(key, "").isdigit():
-            return int(env[key])
-    return 0
 
 
 def slurm_tasks_on_this_node(env: Mapping[str, str]) -> int | None:
@@ -89,12 +81,12 @@ def intra_op_threads(env: Mapping[str, str], *, cpus_available: int, lightning_d
     )
 
 
-def cpus_available() -> int:
+def cpu_set() -> tuple[int, ...]:
     """The CPUs this process may run on (taskset, cgroups' cpusets and SLURM's task binding narrow it)."""
     try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        return tuple(sorted(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux: every CPU
+        return tuple(range(os.cpu_count() or 1))
 
 
 _omp_set_here: str | None = None  # the OMP_NUM_THREADS this process wrote (not the user's choice)
@@ -107,10 +99,10 @@ def configure_threads(*, lightning_devices: int = 1) -> Threads:
     env = dict(os.environ)
     if _omp_set_here is not None and env.get("OMP_NUM_THREADS") == _omp_set_here:
         del env["OMP_NUM_THREADS"]  # a later run in the same process (multirun) decides afresh
-    threads = intra_op_threads(env, cpus_available=cpus_available(), lightning_devices=lightning_devices)
+    threads = intra_op_threads(env, cpus_available=len(cpu_set()), lightning_devices=lightning_devices)
     torch.set_num_threads(threads.count)
     if "OMP_NUM_THREADS" not in env:
         _omp_set_here = os.environ["OMP_NUM_THREADS"] = str(threads.count)
-    if global_rank() == 0:
+    if rank_zero_only.rank == 0:
         log.info("intra-op threads: %d per process (%s)", threads.count, threads.reason)
     return threads

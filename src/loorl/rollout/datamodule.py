@@ -200,18 +200,20 @@ class RolloutDataModule(L.LightningDataModule):
         step before: the result does not depend on timing. The first step has nothing older and
         samples its own (lag 0)."""
         if not self.settings.async_steps:
-            seed = self.sampler_seed("rollout", step)
-            return self.rollout(self.prompts_for_step(step), seed=seed, step=step)
+            return self._sample(step)
         current = self.pending.pop(step, None) or self._sample(step, policy_version=step)
         if step + 1 < self.rl.steps:
             self.pending[step + 1] = self._sample(step + 1, policy_version=step)
         return current
 
-    def _sample(self, step: int, *, policy_version: int) -> Rollout:
+    def _sample(self, step: int, *, policy_version: int | None = None) -> Rollout:
+        """Step `step`'s prompts, K completions each from the engine's current weights, their grades;
+        `policy_version`: the step those weights belong to, when one step off (logged as the lag)."""
         seed = self.sampler_seed("rollout", step)
         rollout = self.rollout(self.prompts_for_step(step), seed=seed, step=step)
-        rollout.policy_version = policy_version
-        rollout.stats["rollout/policy_lag"] = float(rollout.policy_lag)
+        if policy_version is not None:
+            rollout.policy_version = policy_version
+            rollout.stats["rollout/policy_lag"] = float(rollout.policy_lag)
         return rollout
 
     # the rollout sampled ahead (one step off) is part of the run's state: a resume trains on it. As plain

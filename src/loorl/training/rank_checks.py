@@ -17,7 +17,6 @@ other ranks look for it.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import uuid
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from loorl.errors import ConfigError
-from loorl.parallel.launch import cpus_available
+from loorl.parallel.launch import cpu_set
 
 log = logging.getLogger("loorl")
 
@@ -110,9 +109,7 @@ class RankChecks(L.Callback):
         mine = RankFacts(
             rank=strategy.global_rank,
             host=socket.gethostname(),
-            cpus=tuple(sorted(os.sched_getaffinity(0)))
-            if hasattr(os, "sched_getaffinity")
-            else tuple(range(cpus_available())),
+            cpus=cpu_set(),
             threads=torch.get_num_threads(),
             resume_step=self.resume_step,
             sees_rank0_folder=marker.exists(),
