@@ -27,6 +27,7 @@ from loorl.training.checkpoints import (
     complete_checkpoints,
     previous_metrics_rows,
     read_checkpoint,
+    resolve_resume,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -262,13 +263,15 @@ def test_a_checkpoint_carries_its_epoch_row_for_a_csv_killed_before_writing_it(t
     torch.save(state, run / "last.ckpt")
     (run / "checkpoints").mkdir()
     os.replace(run / "last.ckpt", run / "checkpoints" / "last.ckpt")
-    rows = previous_metrics_rows(run / "checkpoints" / "last.ckpt", last_epoch=1)
+    resume = resolve_resume(str(run / "checkpoints" / "last.ckpt"), run, {"load": {}, "run": {}})
+    assert (resume.epoch, resume.epoch_row) == (1, row)  # read from the checkpoint, once
+    rows = previous_metrics_rows(resume)
     assert [(r["epoch"], r["step"], r.get("rollout/reward", "")) for r in rows] == [
         ("0", "0", "0.25"), ("0", "0", ""), ("1", "1", ""), ("1", "1", "0.5625")
     ]  # fmt: skip
     # a CSV that has it already is left as it is
     (run / "csv" / "metrics.csv").write_text("epoch,rollout/reward,step\n1,0.5625,1\n")
-    assert len(previous_metrics_rows(run / "checkpoints" / "last.ckpt", last_epoch=1)) == 1
+    assert len(previous_metrics_rows(resume)) == 1
 
 
 @needs_wandb

@@ -146,7 +146,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
         progress_bar = False
     earlier_rows = []  # the interrupted run's CSV rows up to its checkpoint (a new CSV logger replaces them)
     if resume is not None and rank_zero_only.rank == 0:
-        earlier_rows = previous_metrics_rows(resume.path, last_epoch=resume.epoch)
+        earlier_rows = previous_metrics_rows(resume)
     if resume is not None and "wandb" in (cfg.logger or {}):
         continue_wandb_run(cfg.logger.wandb, previous_wandb_run_id(resume.path))
     loggers = [instantiate(c) for c in (cfg.logger or {}).values()]

@@ -157,6 +157,7 @@ def lora_identity(lora) -> str | None:
 class Resume(NamedTuple):
     path: Path  # the checkpoint to load
     epoch: int  # the last epoch it holds (the interrupted run's CSV rows are kept up to it)
+    epoch_row: dict | None = None  # that epoch's training row, as `EpochRow` saved it
 
 
 def resolve_resume(resume_from: str | None, output_dir: Path, identity: dict) -> Resume | None:
@@ -190,7 +191,8 @@ def resolve_resume(resume_from: str | None, output_dir: Path, identity: dict) ->
             "loorl run (<run>/checkpoints/last.ckpt)"
         ) from None
     check_identity(path, state.get(IDENTITY_KEY), identity)
-    return Resume(path, int(state["epoch"]))
+    saved_row = (state.get("callbacks") or {}).get(EpochRow.__name__, {}).get("row")
+    return Resume(path, int(state["epoch"]), saved_row)
 
 
 def check_identity(path: Path, saved: dict | None, current: dict) -> None:
@@ -214,17 +216,17 @@ def check_identity(path: Path, saved: dict | None, current: dict) -> None:
         )
 
 
-def previous_metrics_rows(checkpoint: Path, last_epoch: int) -> list[dict[str, str]]:
-    """The rows of the interrupted run's `csv/metrics.csv` up to and including epoch `last_epoch`
-    (the checkpoint's), read before the new CSV logger replaces the file; the checkpoint's own copy of
-    its epoch's row (`EpochRow`) where the CSV lacks it (a kill between the two writes)."""
-    csv_file = Path(checkpoint).resolve().parent.parent / "csv" / "metrics.csv"
+def previous_metrics_rows(resume: Resume) -> list[dict[str, str]]:
+    """The rows of the interrupted run's `csv/metrics.csv` up to and including the checkpoint's epoch,
+    read before the new CSV logger replaces the file; the checkpoint's own copy of that epoch's row
+    (`EpochRow`, read by `resolve_resume`) where the CSV lacks it (a kill between the two writes)."""
+    last_epoch, saved = resume.epoch, resume.epoch_row
+    csv_file = Path(resume.path).resolve().parent.parent / "csv" / "metrics.csv"
     rows = []
     if csv_file.is_file():
         with csv_file.open(newline="") as f:
             rows = list(csv.DictReader(f))
     rows = [r for r in rows if r.get("epoch", "") != "" and int(float(r["epoch"])) <= last_epoch]
-    saved = (read_checkpoint(checkpoint).get("callbacks") or {}).get(EpochRow.__name__, {}).get("row")
     if saved and saved["epoch"] == last_epoch and not _has_row(rows, saved):
         rows.append({"epoch": str(saved["epoch"]), "step": str(saved["step"])} | {
             k: repr(v) for k, v in saved["values"].items()
