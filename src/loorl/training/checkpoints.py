@@ -273,7 +273,7 @@ class EpochRow(L.Callback):
         return {"row": self.row}
 
     def load_state_dict(self, state: dict) -> None:
-        self.row = None  # only an interrupted run's CSV needs it, and previous_metrics_rows reads it there
+        self.row = None  # only an interrupted run's CSV needs it, and resolve_resume reads it there
 
 
 def replay_metrics_rows(loggers: list, rows: list[dict[str, str]]) -> None:
