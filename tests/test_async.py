@@ -1,15 +1,15 @@
-"""One step off (`rollout.async_steps=1`): step t+1's rollout is sampled with step t's weights, the loss
-corrects for the lag with the sampler's log-probs, runs repeat exactly, and a resume trains on the
-rollout that was sampled ahead (it is in the checkpoint).
-
-This is the schedule and its correction; generation does not yet overlap training (README "One step
-off"), so these tests are about what is computed, not how fast."""
+"""One step off (`rollout.async_steps=1`): step t+1's rollout is sampled with step t's weights while step t
+trains (in a sampler process of its own, `rollout.devices=auto`), the loss corrects for the lag with the
+sampler's log-probs, runs repeat exactly, the sampler process changes where the samples are drawn but
+not what they are, and a resume trains on the rollout that was sampled ahead (it is in the checkpoint).
+How fast it is: `scripts/bench_async.py` (README "One step off")."""
 
 from __future__ import annotations
 
 import copy
 import csv
 import signal
+import subprocess
 from dataclasses import replace
 from pathlib import Path
 
@@ -23,7 +23,7 @@ from loorl.config import check_config
 from loorl.errors import ConfigError
 from loorl.models.sources import resolve_model_path
 from loorl.types import RolloutBatch
-from test_resume import _command, _run, _start_and_signal
+from test_resume import ROOT, _command, _env, _run, _start_and_signal
 
 ASYNC = "rollout.async_steps=1"
 
@@ -129,12 +129,36 @@ def test_one_step_off_lags_one_version_corrects_and_repeats_exactly(tmp_path, mo
     assert any(sync[r["epoch"]] != r["rollout/reward"] for r in rows[1:])  # then older weights sample
 
 
-def test_a_killed_one_step_off_run_resumes_to_the_same_run(tmp_path, model_cache):
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory, model_cache) -> Path:
+    """The quick run, one step off, uninterrupted, its sampler in a process of its own (the default)."""
+    run = tmp_path_factory.mktemp("async") / "straight"
+    done = _run(_command(run, model_cache, ASYNC))
+    assert "the sampler process (pid" in done.stderr + done.stdout  # it did run in a process of its own
+    _assert_lagged_and_corrected(run)
+    return run
+
+
+def test_the_sampler_process_samples_what_the_training_process_would(tmp_path, model_cache, straight_run):
+    """Where the samples are drawn does not change them: the same run with the sampler in the training
+    process (`rollout.devices=trainer`, one thread, as the sampler process and the trainer each have)
+    logs the same values, to the last digit. What the sampler process is given decides them (weights,
+    seed, prompts, autocast dtype), not when it runs. (Validation runs on both cores in the one run and
+    on one in the other: the quick model's float32 kernels give the same values either way.)"""
+    inline = tmp_path / "inline"
+    cmd = _command(inline, model_cache, ASYNC, "rollout.devices=trainer")
+    env = dict(_env(), OMP_NUM_THREADS="1")
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "the sampler process (pid" not in done.stderr + done.stdout
+    assert_same_run(straight_run, inline)
+
+
+def test_a_killed_one_step_off_run_resumes_to_the_same_run(tmp_path, model_cache, straight_run):
     """The rollout sampled ahead is in the checkpoint: the resumed run trains on it, as the
     uninterrupted run did (regenerating it would need the previous step's weights)."""
-    straight, run = tmp_path / "straight", tmp_path / "run"
-    _run(_command(straight, model_cache, ASYNC))
-    _assert_lagged_and_corrected(straight)
+    straight, run = straight_run, tmp_path / "run"
     first = run / "checkpoints" / "epoch=19-step=20.ckpt"
     killed = _start_and_signal(_command(run, model_cache, ASYNC), first, signal.SIGKILL)
     assert killed.returncode == -signal.SIGKILL

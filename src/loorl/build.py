@@ -16,13 +16,14 @@ from typing import Any
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from loorl.config import Settings, load_settings
+from loorl.config import Settings, load_settings, sampler_placement_of
 from loorl.errors import ConfigError
 from loorl.models.load import load_tokenizer
 from loorl.models.sources import model_identity, resolve_model_path
 from loorl.rewards import build_composer
 from loorl.rollout.datamodule import RolloutDataModule
 from loorl.rollout.factory import build_engine, engine_class
+from loorl.rollout.sampler_process import ProcessEngine
 from loorl.tasks.base import Task
 from loorl.training.checkpoints import run_identity
 from loorl.training.module import PolicyGradientModule
@@ -86,6 +87,9 @@ def build_datamodule(
         share_prompt=s.rl.share_prompt,
         cuda=s.on_cuda,
     )
+    placement = sampler_placement_of(s)
+    if placement is not None:  # one step off, sampled in a process of its own while the trainer trains
+        engine = ProcessEngine(engine, placement)
     return RolloutDataModule(
         task=task,
         tokenizer=tokenizer,

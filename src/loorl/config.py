@@ -145,7 +145,19 @@ def check_config(cfg: DictConfig) -> Settings:
     context = {"model_dtype": s.model.dtype, "model": s.model, "model_path": pretrained_path(s.model)}
     context |= {"seed": s.run.seed, "share_prompt": s.rl.share_prompt, "parallel": s.strategy}
     engine.check(EngineContext(s.rollout, **context))
+    sampler_placement_of(s)  # rollout.devices names cores this process has, and leaves the trainer some
     return s
+
+
+def sampler_placement_of(s: Settings):
+    """Where the run's one-step-off sampler runs (`rollout.devices`): a `Placement`, or None (in the
+    training process)."""
+    from loorl.parallel.launch import cpu_set
+    from loorl.rollout.sampler_process import sampler_placement
+
+    return sampler_placement(
+        s.rollout.devices, async_steps=s.rollout.async_steps, cuda=s.on_cuda, cpus=cpu_set()
+    )
 
 
 STRATEGY_KINDS = {

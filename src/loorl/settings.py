@@ -233,6 +233,7 @@ class RolloutSettings(Section):
     vllm: dict[str, Any] | None = None  # the vLLM engine's block (rollout=hf has none)
     options: dict[str, Any] = Field(default_factory=dict)  # a `_target_` engine's own settings
     async_steps: Literal[0, 1] = 0  # 1: one step off (step t+1 sampled with step t's weights)
+    devices: str = "auto"  # the one-step-off sampler's place: auto | trainer | cpu:<cores> | cuda:<gpu>
 
     def __post_init__(self) -> None:
         if self.target is None and self.engine not in ENGINES:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import zlib
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 import lightning as L
 import numpy as np
@@ -108,6 +108,23 @@ def rollout_from_dict(d: dict) -> Rollout:
     return Rollout(d["step"], RolloutBatch(**d["batch"]), dict(d["stats"]), d["policy_version"])
 
 
+@dataclass(frozen=True)
+class Submitted:
+    """A rollout the engine was asked for (`RolloutEngine.submit`) and has not yet answered."""
+
+    step: int
+    prompts: list[Prompt]
+    prompt_ids: list[list[int]]
+    policy_version: int
+
+
+def lagged(rollout: Rollout, policy_version: int) -> Rollout:
+    """`rollout`, marked as sampled by the weights of step `policy_version` (its lag logged)."""
+    rollout.policy_version = policy_version
+    rollout.stats["rollout/policy_lag"] = float(rollout.policy_lag)
+    return rollout
+
+
 def _own_generator() -> torch.Generator:
     """A DataLoader draws a seed for its workers when iterated, from the global torch RNG unless it
     has a generator of its own; the sampler's random stream must not depend on when that happens."""
@@ -140,7 +157,10 @@ class RolloutDataModule(L.LightningDataModule):
             )
         self.eval_split, self.eval_limit = eval_split, eval_limit
         self.rewards = rewards or RewardComposer([WeightedReward("task", TASK_VERIFIER)], task=task)
-        self.pending: dict[int, Rollout] = {}  # one step off: the next step's rollout, sampled ahead
+        self.pending: dict[
+            int, Rollout | Submitted
+        ] = {}  # one step off: the next step's rollout, sampled ahead
+        self.in_flight: Submitted | None = None  # the rollout the engine is sampling, not yet received
 
     # ---- prompts -------------------------------------------------------------------------------
     def encode_prompts(self, prompts: list[Prompt]) -> list[list[int]]:
@@ -182,6 +202,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.eval_prompts = self.held_out_prompts()[rank::world]  # sharded; accuracy is reduced by the
         # learner's MeanMetric (sums and counts over ranks)
         self.encode_prompts(self.eval_prompts)  # fail early on over-long prompts
+        if self.settings.async_steps and stage in ("fit", "validate"):  # (the run validates step 0 first)
+            self.engine.start()  # a sampler process of its own (rollout.devices) starts up meanwhile
 
     def detokenize(self, groups: list[list[Completion]]) -> list[list[str]]:
         """Completion texts [B][K], without the end-of-sequence token that ended them."""
@@ -201,19 +223,48 @@ class RolloutDataModule(L.LightningDataModule):
         samples its own (lag 0)."""
         if not self.settings.async_steps:
             return self._sample(step)
-        current = self.pending.pop(step, None) or self._sample(step, policy_version=step)
+        current = self.pending.pop(step, None)
+        if current is None:  # the first step (or a resume without a rollout ahead): its own, lag 0, sampled
+            current = self._sample(step, policy_version=step)  # here while a sampler process starts up
+        elif isinstance(current, Submitted):
+            current = self._receive(current)
         if step + 1 < self.rl.steps:
-            self.pending[step + 1] = self._sample(step + 1, policy_version=step)
+            self.pending[step + 1] = self._submit(step + 1, policy_version=step)
         return current
 
     def _sample(self, step: int, *, policy_version: int | None = None) -> Rollout:
         """Step `step`'s prompts, K completions each from the engine's current weights, their grades;
         `policy_version`: the step those weights belong to, when one step off (logged as the lag)."""
-        seed = self.sampler_seed("rollout", step)
-        rollout = self.rollout(self.prompts_for_step(step), seed=seed, step=step)
-        if policy_version is not None:
-            rollout.policy_version = policy_version
-            rollout.stats["rollout/policy_lag"] = float(rollout.policy_lag)
+        rollout = self.rollout(
+            self.prompts_for_step(step), seed=self.sampler_seed("rollout", step), step=step
+        )
+        return rollout if policy_version is None else lagged(rollout, policy_version)
+
+    def _submit(self, step: int, *, policy_version: int) -> Submitted:
+        """Start sampling step `step`'s rollout with the engine's current weights (those of step
+        `policy_version`): in the background where the engine has a process of its own."""
+        prompts = self.prompts_for_step(step)
+        prompt_ids = self.encode_prompts(prompts)
+        with engine_precision(self.engine, self.trainer):
+            self.engine.submit(
+                prompt_ids, n=self.rl.samples_per_prompt, seed=self.sampler_seed("rollout", step)
+            )
+        self.in_flight = Submitted(step, prompts, prompt_ids, policy_version)
+        return self.in_flight
+
+    def _receive(self, submitted: Submitted | None = None) -> Rollout:
+        """The rollout `submitted` (default: the last one), graded. Sampled in the background, its
+        `perf/gen_seconds` is how long the trainer waited for it, `perf/sampler_gen_seconds` the sampler's."""
+        submitted = submitted or self.in_flight
+        groups, gen_seconds = self.engine.receive()
+        self.in_flight = None
+        rollout = self.grade(submitted.prompts, submitted.prompt_ids, groups, gen_seconds=gen_seconds,
+                             step=submitted.step)  # fmt: skip
+        lagged(rollout, submitted.policy_version)
+        if self.engine.wait_seconds is not None:  # sampled in the background: the step's gen phase is the
+            # wait, and the sampler's own seconds (its tokens/s) are logged beside it
+            rollout.stats["perf/sampler_gen_seconds"] = gen_seconds
+            rollout.stats["perf/gen_seconds"] = self.engine.wait_seconds
         return rollout
 
     # the rollout sampled ahead (one step off) is part of the run's state: a resume trains on it. As plain
@@ -221,10 +272,21 @@ class RolloutDataModule(L.LightningDataModule):
     def state_dict(self) -> dict:
         if not self.settings.async_steps:
             return {}
+        for step, entry in self.pending.items():  # a rollout still being sampled is waited for
+            if isinstance(entry, Submitted):
+                self.pending[step] = self._receive(entry)
         return {"pending": {step: rollout_to_dict(r) for step, r in self.pending.items()}}
 
     def load_state_dict(self, state: dict) -> None:
         self.pending = {int(step): rollout_from_dict(d) for step, d in state.get("pending", {}).items()}
+
+    def teardown(self, stage: str) -> None:
+        """After fit (every checkpoint written): a rollout sampled ahead that no step will train on is
+        dropped, and a sampler process ends."""
+        if stage == "fit":
+            self.in_flight = None
+            self.pending.clear()
+            self.engine.close()
 
     @torch.no_grad()
     def rollout(self, prompts: list[Prompt], *, seed: int, step: int = 0) -> Rollout:
@@ -233,7 +295,12 @@ class RolloutDataModule(L.LightningDataModule):
         clock = PhaseClock()
         with clock.phase("gen"):
             groups = self.generate(prompt_ids, n=self.rl.samples_per_prompt, seed=seed)
-        gen_seconds = clock.seconds["gen"]
+        return self.grade(prompts, prompt_ids, groups, gen_seconds=clock.seconds["gen"], step=step)
+
+    def grade(self, prompts: list[Prompt], prompt_ids: list[list[int]], groups: list[list[Completion]], *,
+              gen_seconds: float, step: int) -> Rollout:  # fmt: skip
+        """The completions [B][K] of `prompts` graded and assembled into the step's rollout."""
+        clock = PhaseClock()
         self.engine.sleep()
         with clock.phase("grade"):
             graded = self.rewards(prompts, self.detokenize(groups))  # [B, K] rewards and correctness

@@ -12,6 +12,7 @@ autocast, builds itself in `create`, and receives the policy's weights in `sync`
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -90,6 +91,8 @@ class RolloutEngine(ABC):
     # with the live policy, which must compute as training_step does. False (default): an engine with
     # its own weights and dtype (vLLM), whose float32 would otherwise quietly become bf16 matmuls.
     generates_in_trainer_precision: bool = False
+    # set by an engine that samples in the background (`submit`): how long the last `receive` waited
+    wait_seconds: float | None = None
 
     # ---- the class: settings, checks, construction ---------------------------------------------
     @classmethod
@@ -149,6 +152,28 @@ class RolloutEngine(ABC):
         """`n` completions for each prompt, as `result[prompt][sample]`. `seed`: the sampler's random
         stream for this call (the same seed and weights give the same samples); None: the engine's
         own running stream."""
+
+    # ---- sampling ahead (rollout.async_steps=1) --------------------------------------------------
+    # `submit` starts a generation with the weights of the last `sync`, `receive` returns its completions
+    # and the seconds it took. The default generates in `submit`, in this process (nothing overlaps); an
+    # engine in a process of its own (`loorl.rollout.sampler_process.ProcessEngine`) returns at once
+    # and generates while the trainer trains. One request at a time: every `submit` is `receive`d
+    # before the next.
+    def submit(self, prompt_ids: list[list[int]], *, n: int, seed: int | None = None) -> None:
+        start = time.perf_counter()
+        self._submitted = (self.generate(prompt_ids, n=n, seed=seed), time.perf_counter() - start)
+
+    def receive(self) -> tuple[list[list[Completion]], float]:
+        done, self._submitted = self._submitted, None
+        return done
+
+    def start(self) -> None:
+        """Start what `submit` will need ahead of time (a sampler process); default: nothing."""
+        return None
+
+    def close(self) -> None:
+        """Free what outlives a run (a sampler process); default: nothing."""
+        return None
 
     def cut_at_eos(self, tokens: list[int], logprobs: list[float]) -> Completion:
         """The completion up to and including its first end-of-sequence id (any of them)."""
