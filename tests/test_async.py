@@ -162,9 +162,29 @@ def test_a_killed_one_step_off_run_resumes_to_the_same_run(tmp_path, model_cache
     first = run / "checkpoints" / "epoch=19-step=20.ckpt"
     killed = _start_and_signal(_command(run, model_cache, ASYNC), first, signal.SIGKILL)
     assert killed.returncode == -signal.SIGKILL
-    saved = torch.load(first, map_location="cpu", weights_only=False)["RolloutDataModule"]["pending"]
+    saved = torch.load(first, map_location="cpu", weights_only=False)["RolloutDataModule"]["pending_by_rank"][
+        0
+    ]
     assert list(saved) == [20] and saved[20]["policy_version"] == 19  # step 20's rollout, step 19's weights
     _run(_command(run, model_cache, ASYNC, "resume_from=auto"))
+    assert_same_run(straight, run)
+
+
+@pytest.mark.slow  # two data-parallel runs and a resume, ~2 min
+def test_a_stopped_data_parallel_one_step_off_run_resumes_to_the_same_run(tmp_path, model_cache):
+    """strategy=ddp: each rank samples its own block of prompts one step off, and every rank's rollout
+    sampled ahead goes into the checkpoint (rank 0 writes it), so a resumed run trains on them."""
+    ddp = (ASYNC, "strategy=ddp", "trainer.devices=2")
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    _run(_command(straight, model_cache, *ddp))
+    _assert_lagged_and_corrected(straight)
+    first = run / "checkpoints" / "epoch=9-step=10.ckpt"
+    stopped = _start_and_signal(_command(run, model_cache, *ddp), first, signal.SIGTERM)
+    assert stopped.returncode == 0  # finished its step, wrote last.ckpt, stopped
+    saved = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    by_rank = saved["RolloutDataModule"]["pending_by_rank"]
+    assert len(by_rank) == 2 and all(len(p) == 1 for p in by_rank)  # each rank's next rollout
+    _run(_command(run, model_cache, *ddp, "resume_from=auto"))
     assert_same_run(straight, run)
 
 
@@ -172,7 +192,14 @@ def test_a_killed_one_step_off_run_resumes_to_the_same_run(tmp_path, model_cache
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ((ASYNC, "strategy=ddp", "trainer.devices=2"), "rollout.async_steps=1 runs in one process so far"),
+        (
+            (ASYNC, "strategy=fsdp", "trainer.devices=2"),
+            "rollout.async_steps=1 is not supported with strategy=fsdp",
+        ),
+        (
+            (ASYNC, "strategy=ddp", "trainer.devices=2", "rollout.devices=cpu:1"),
+            "places one sampler, but a data",
+        ),
         (("rollout.async_steps=2",), "rollout.async_steps"),
     ],
 )

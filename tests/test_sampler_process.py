@@ -28,7 +28,7 @@ TWO = {0, 1}
         ("auto", 1, False, TWO, Placement("cpu", (1,), None, (0,))),  # the upper half of the cores
         ("auto", 1, False, {0, 1, 2, 3}, Placement("cpu", (2, 3), None, (0, 1))),
         ("auto", 1, False, {5}, None),  # one core: nothing to overlap on
-        ("auto", 1, True, TWO, Placement("cuda", gpu=0)),  # the trainer's GPU, shared
+        ("auto", 1, True, TWO, Placement("cuda", gpu=None)),  # the trainer's GPU (current at start), shared
         ("cpu:0", 1, False, TWO, Placement("cpu", (0,), None, (1,))),
         ("cpu:1-2", 1, False, {0, 1, 2}, Placement("cpu", (1, 2), None, (0,))),
         ("cpu:1", 1, True, TWO, Placement("cpu", (1,))),  # a GPU trainer keeps its cores
@@ -37,6 +37,15 @@ TWO = {0, 1}
 )
 def test_rollout_devices_place_the_sampler(devices, async_steps, cuda, cpus, expected):
     assert sampler_placement(devices, async_steps=async_steps, cuda=cuda, cpus=cpus) == expected
+
+
+def test_data_parallel_ranks_each_place_their_own_sampler():
+    """strategy=ddp: on CPU the ranks share the cores out already (each samples in its own process, not
+    overlapped); on CUDA each rank's sampler shares that rank's GPU (resolved when it starts)."""
+    several = dict(async_steps=1, cpus=TWO, several_processes=True)
+    assert sampler_placement("auto", cuda=False, **several) is None
+    assert sampler_placement("auto", cuda=True, **several) == Placement("cuda", gpu=None)
+    assert sampler_placement("trainer", cuda=True, **several) is None
 
 
 @pytest.mark.parametrize(

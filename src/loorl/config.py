@@ -155,9 +155,9 @@ def sampler_placement_of(s: Settings):
     from loorl.parallel.launch import cpu_set
     from loorl.rollout.sampler_process import sampler_placement
 
-    return sampler_placement(
-        s.rollout.devices, async_steps=s.rollout.async_steps, cuda=s.on_cuda, cpus=cpu_set()
-    )
+    several = s.strategy != "auto"  # ddp: one sampler per rank, placed beside it
+    return sampler_placement(s.rollout.devices, async_steps=s.rollout.async_steps, cuda=s.on_cuda,
+                             cpus=cpu_set(), several_processes=several)  # fmt: skip
 
 
 STRATEGY_KINDS = {
@@ -188,10 +188,11 @@ def check_parallel(cfg: DictConfig, s: Settings) -> None:
                 "need a data-parallel strategy; add strategy=ddp or strategy=fsdp"
             )
         return
-    if s.rollout.async_steps:
+    if s.rollout.async_steps and kind == "fsdp":
         raise ConfigError(
-            f"rollout.async_steps={s.rollout.async_steps} runs in one process so far (its pending rollout is "
-            f"one rank's): set rollout.async_steps=0 for strategy={kind}, or train in one process"
+            f"rollout.async_steps={s.rollout.async_steps} is not supported with strategy=fsdp yet (the "
+            "rollouts sampled ahead would have to go into its sharded checkpoint): use strategy=ddp, or "
+            "rollout.async_steps=0"
         )
     if isinstance(devices, int) or str(devices).isdigit():  # "auto" / -1: known once launched (checked then)
         world, where = int(devices) * nodes, f"trainer.devices={devices} x trainer.num_nodes={nodes}"

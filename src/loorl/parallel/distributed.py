@@ -40,6 +40,15 @@ def _device(t: torch.Tensor) -> torch.device:
     return t.device
 
 
+def gather_objects(obj) -> list:
+    """Every rank's `obj` (picklable), in rank order; [obj] in one process. A collective."""
+    if not is_distributed():
+        return [obj]
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, obj)
+    return every
+
+
 def gather_rows(x: torch.Tensor) -> torch.Tensor:
     """x [n, ...] of every rank (equal n), concatenated in rank order: [W * n, ...]."""
     if not is_distributed():

@@ -29,6 +29,7 @@ from loorl.errors import ConfigError
 from loorl.parallel.distributed import (
     all_reduce,
     check_world_divides,
+    gather_objects,
     gather_rows,
     is_distributed,
     rank_and_world,
@@ -275,10 +276,22 @@ class RolloutDataModule(L.LightningDataModule):
         for step, entry in self.pending.items():  # a rollout still being sampled is waited for
             if isinstance(entry, Submitted):
                 self.pending[step] = self._receive(entry)
-        return {"pending": {step: rollout_to_dict(r) for step, r in self.pending.items()}}
+        mine = {step: rollout_to_dict(r) for step, r in self.pending.items()}
+        # every rank's (ddp: Lightning builds the checkpoint on every rank and rank 0 writes it)
+        return {"pending_by_rank": gather_objects(mine)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.pending = {int(step): rollout_from_dict(d) for step, d in state.get("pending", {}).items()}
+        if not state:  # a synchronous run's
+            self.pending = {}
+            return
+        rank, world = rank_and_world()
+        every = state.get("pending_by_rank", [state.get("pending", {})])
+        if len(every) != world:
+            raise ConfigError(
+                f"the checkpoint holds the one-step-off rollouts of {len(every)} training processes, and "
+                f"this run has {world}: resume with {len(every)} (trainer.devices x trainer.num_nodes)"
+            )
+        self.pending = {int(step): rollout_from_dict(d) for step, d in every[rank].items()}
 
     def teardown(self, stage: str) -> None:
         """After fit (every checkpoint written): a rollout sampled ahead that no step will train on is

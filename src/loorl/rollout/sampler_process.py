@@ -89,13 +89,16 @@ def parse_cores(text: str, setting: str = "rollout.devices") -> tuple[int, ...]:
     return tuple(sorted(cores))
 
 
-def sampler_placement(devices: str, *, async_steps: int, cuda: bool, cpus: set[int],
-                      gpu: int = 0) -> Placement | None:  # fmt: skip
+def sampler_placement(devices: str, *, async_steps: int, cuda: bool, cpus: set[int], gpu: int | None = None,
+                      several_processes: bool = False) -> Placement | None:  # fmt: skip
     """`rollout.devices` -> the sampler process's placement, or None: the sampler runs in the training
-    process. `cpus`: the cores this process may use; `gpu`: the trainer's CUDA device (for auto).
+    process. `cpus`: the cores this process may use; `gpu`: the trainer's CUDA device (None: the
+    current one when the sampler starts, for auto); `several_processes`: a data-parallel run (ddp),
+    where each rank has a sampler of its own.
 
     auto: with `async_steps=1`, a process of its own on the upper half of the cores (on CUDA the
-    trainer's GPU, which the two share); in the training process when synchronous or with one core."""
+    trainer's GPU, which the two share); in the training process when synchronous or with one core,
+    and, with several training processes, on CPU (their cores are already shared out among them)."""
     devices = str(devices).strip()
     if devices == "trainer" or (devices == "auto" and not async_steps):
         return None
@@ -105,9 +108,18 @@ def sampler_placement(devices: str, *, async_steps: int, cuda: bool, cpus: set[i
             "rollout.async_steps=0 samples between training steps: set rollout.async_steps=1, or drop "
             "rollout.devices"
         )
+    if several_processes and devices != "auto":
+        raise ConfigError(
+            f"rollout.devices={devices} places one sampler, but a data-parallel run has one per rank: use "
+            "rollout.devices=auto (on CUDA each beside its rank, on its GPU) or rollout.devices=trainer"
+        )
     if devices == "auto":
         if cuda:
             return Placement("cuda", gpu=gpu)
+        if several_processes:
+            log.info("rollout.devices=auto: several training processes on the CPU share its cores already, "
+                     "so each rank samples one step off in its own process, not overlapped")  # fmt: skip
+            return None
         if len(cpus) < 2:
             log.info("rollout.devices=auto: one core, so the sampler stays in the training process")
             return None
@@ -343,6 +355,8 @@ class ProcessEngine(RolloutEngine):
         import torch.multiprocessing as mp
 
         placement = self.placement
+        if placement.device == "cuda" and placement.gpu is None:  # beside this rank, on its GPU
+            placement = self.placement = Placement("cuda", gpu=torch.cuda.current_device())
         threads = len(placement.cores) if placement.device == "cpu" else torch.get_num_threads()
         context = mp.get_context("spawn")
         self.conn, theirs = context.Pipe()
