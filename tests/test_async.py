@@ -155,6 +155,24 @@ def test_the_sampler_process_samples_what_the_training_process_would(tmp_path, m
     assert_same_run(straight_run, inline)
 
 
+@pytest.mark.slow  # two more runs; the float32 case above is in the default suite
+def test_the_sampler_process_samples_in_the_trainers_bf16_autocast(tmp_path, model_cache, quick_cfg):
+    """Under bf16-mixed the request carries the trainer's autocast dtype: the sampler process samples as
+    the training process would, to the last digit (validation included)."""
+    from loorl.cli.train import trainer_precision
+
+    assert trainer_precision(quick_cfg("model.dtype=bfloat16")) == "bf16-mixed"
+    runs = {devices: tmp_path / devices for devices in ("auto", "trainer")}
+    for devices, run in runs.items():
+        cmd = _command(
+            run, model_cache, ASYNC, f"rollout.devices={devices}", "model.dtype=bfloat16", "rl.steps=10"
+        )
+        env = dict(_env(), OMP_NUM_THREADS="1") if devices == "trainer" else _env()
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_run(runs["auto"], runs["trainer"])
+
+
 def test_a_killed_one_step_off_run_resumes_to_the_same_run(tmp_path, model_cache, straight_run):
     """The rollout sampled ahead is in the checkpoint: the resumed run trains on it, as the
     uninterrupted run did (regenerating it would need the previous step's weights)."""
