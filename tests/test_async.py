@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fixtures import assert_same_run
+from fixtures import assert_same_run, metric_values
 from loorl.algo.logprobs import completion_logprobs
 from loorl.build import build_module, build_task
 from loorl.config import check_config
@@ -171,6 +171,30 @@ def test_the_sampler_process_samples_in_the_trainers_bf16_autocast(tmp_path, mod
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
     assert_same_run(runs["auto"], runs["trainer"])
+
+
+@pytest.mark.slow  # two more runs
+def test_a_lora_policy_is_sampled_with_its_merged_weights_in_the_sampler_process(tmp_path, model_cache):
+    """The sampler process holds a LoRA policy's merged weights, W + B @ A * scale (as a copying engine
+    does); the training process samples with the adapters unmerged. The same samples, here; their
+    log-probs differ in the last digits, and so the importance ratios and the loss a little."""
+    pytest.importorskip("peft")
+    runs = {devices: tmp_path / devices for devices in ("auto", "trainer")}
+    for devices, run in runs.items():
+        cmd = _command(
+            run, model_cache, ASYNC, f"rollout.devices={devices}", "model.lora={r: 8}", "rl.steps=6"
+        )
+        env = dict(_env(), OMP_NUM_THREADS="1") if devices == "trainer" else _env()
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+    merged, unmerged = metric_values(runs["auto"]), metric_values(runs["trainer"])
+    assert merged.keys() == unmerged.keys()
+    for key in merged:
+        if key[0].startswith(("rollout/", "val/")):  # what was sampled and how it scored
+            assert merged[key] == unmerged[key], key
+        else:
+            for a, b in zip(map(float, merged[key]), map(float, unmerged[key]), strict=True):
+                assert abs(a - b) <= 0.05 * max(1.0, abs(a), abs(b)), key
 
 
 def test_a_killed_one_step_off_run_resumes_to_the_same_run(tmp_path, model_cache, straight_run):
