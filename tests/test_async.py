@@ -129,12 +129,22 @@ def test_one_step_off_lags_one_version_corrects_and_repeats_exactly(tmp_path, mo
     assert any(sync[r["epoch"]] != r["rollout/reward"] for r in rows[1:])  # then older weights sample
 
 
+def _run_placed(run: Path, model_cache: Path, devices: str, *overrides: str) -> None:
+    """The quick run one step off with `rollout.devices=devices`; `trainer` with one thread, as the sampler
+    process and the trainer beside it each have. Checks where the sampler ran."""
+    cmd = _command(run, model_cache, ASYNC, f"rollout.devices={devices}", *overrides)
+    env = dict(_env(), OMP_NUM_THREADS="1") if devices == "trainer" else _env()
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    in_its_own = "the sampler process (pid" in done.stderr + done.stdout
+    assert in_its_own == (devices != "trainer")
+
+
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory, model_cache) -> Path:
     """The quick run, one step off, uninterrupted, its sampler in a process of its own (the default)."""
     run = tmp_path_factory.mktemp("async") / "straight"
-    done = _run(_command(run, model_cache, ASYNC))
-    assert "the sampler process (pid" in done.stderr + done.stdout  # it did run in a process of its own
+    _run_placed(run, model_cache, "auto")
     _assert_lagged_and_corrected(run)
     return run
 
@@ -146,12 +156,7 @@ def test_the_sampler_process_samples_what_the_training_process_would(tmp_path, m
     seed, prompts, autocast dtype), not when it runs. (Validation runs on both cores in the one run and
     on one in the other: the quick model's float32 kernels give the same values either way.)"""
     inline = tmp_path / "inline"
-    cmd = _command(inline, model_cache, ASYNC, "rollout.devices=trainer")
-    env = dict(_env(), OMP_NUM_THREADS="1")
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "the sampler process (pid" not in done.stderr + done.stdout
+    _run_placed(inline, model_cache, "trainer")
     assert_same_run(straight_run, inline)
 
 
@@ -164,12 +169,7 @@ def test_the_sampler_process_samples_in_the_trainers_bf16_autocast(tmp_path, mod
     assert trainer_precision(quick_cfg("model.dtype=bfloat16")) == "bf16-mixed"
     runs = {devices: tmp_path / devices for devices in ("auto", "trainer")}
     for devices, run in runs.items():
-        cmd = _command(
-            run, model_cache, ASYNC, f"rollout.devices={devices}", "model.dtype=bfloat16", "rl.steps=10"
-        )
-        env = dict(_env(), OMP_NUM_THREADS="1") if devices == "trainer" else _env()
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, done.stderr[-3000:]
+        _run_placed(run, model_cache, devices, "model.dtype=bfloat16", "rl.steps=10")
     assert_same_run(runs["auto"], runs["trainer"])
 
 
@@ -181,12 +181,7 @@ def test_a_lora_policy_is_sampled_with_its_merged_weights_in_the_sampler_process
     pytest.importorskip("peft")
     runs = {devices: tmp_path / devices for devices in ("auto", "trainer")}
     for devices, run in runs.items():
-        cmd = _command(
-            run, model_cache, ASYNC, f"rollout.devices={devices}", "model.lora={r: 8}", "rl.steps=6"
-        )
-        env = dict(_env(), OMP_NUM_THREADS="1") if devices == "trainer" else _env()
-        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, done.stderr[-3000:]
+        _run_placed(run, model_cache, devices, "model.lora={r: 8}", "rl.steps=6")
     merged, unmerged = metric_values(runs["auto"]), metric_values(runs["trainer"])
     assert merged.keys() == unmerged.keys()
     for key in merged:

@@ -158,10 +158,8 @@ class RolloutDataModule(L.LightningDataModule):
             )
         self.eval_split, self.eval_limit = eval_split, eval_limit
         self.rewards = rewards or RewardComposer([WeightedReward("task", TASK_VERIFIER)], task=task)
-        self.pending: dict[
-            int, Rollout | Submitted
-        ] = {}  # one step off: the next step's rollout, sampled ahead
-        self.in_flight: Submitted | None = None  # the rollout the engine is sampling, not yet received
+        # one step off: the next step's rollout, sampled ahead (Submitted while the engine samples it)
+        self.pending: dict[int, Rollout | Submitted] = {}
 
     # ---- prompts -------------------------------------------------------------------------------
     def encode_prompts(self, prompts: list[Prompt]) -> list[list[int]]:
@@ -250,15 +248,12 @@ class RolloutDataModule(L.LightningDataModule):
             self.engine.submit(
                 prompt_ids, n=self.rl.samples_per_prompt, seed=self.sampler_seed("rollout", step)
             )
-        self.in_flight = Submitted(step, prompts, prompt_ids, policy_version)
-        return self.in_flight
+        return Submitted(step, prompts, prompt_ids, policy_version)
 
-    def _receive(self, submitted: Submitted | None = None) -> Rollout:
-        """The rollout `submitted` (default: the last one), graded. Sampled in the background, its
-        `perf/gen_seconds` is how long the trainer waited for it, `perf/sampler_gen_seconds` the sampler's."""
-        submitted = submitted or self.in_flight
+    def _receive(self, submitted: Submitted) -> Rollout:
+        """The rollout `submitted`, graded. Sampled in the background, its `perf/gen_seconds` is how long
+        the trainer waited for it, `perf/sampler_gen_seconds` the sampler's."""
         groups, gen_seconds = self.engine.receive()
-        self.in_flight = None
         rollout = self.grade(submitted.prompts, submitted.prompt_ids, groups, gen_seconds=gen_seconds,
                              step=submitted.step)  # fmt: skip
         lagged(rollout, submitted.policy_version)
@@ -297,7 +292,6 @@ class RolloutDataModule(L.LightningDataModule):
         """After fit (every checkpoint written): a rollout sampled ahead that no step will train on is
         dropped, and a sampler process ends."""
         if stage == "fit":
-            self.in_flight = None
             self.pending.clear()
             self.engine.close()
 

@@ -93,6 +93,7 @@ class RolloutEngine(ABC):
     generates_in_trainer_precision: bool = False
     # set by an engine that samples in the background (`submit`): how long the last `receive` waited
     wait_seconds: float | None = None
+    _submitted: tuple[list[list[Completion]], float] | None = None  # the default `submit`'s result
 
     # ---- the class: settings, checks, construction ---------------------------------------------
     @classmethod

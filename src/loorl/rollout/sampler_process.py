@@ -70,9 +70,12 @@ class Placement:
     trainer_cores: tuple[int, ...] | None = None
 
     def describe(self) -> str:
-        if self.device == "cuda":
-            return f"GPU {self.gpu}"
-        return f"core{'s' if len(self.cores) > 1 else ''} {','.join(map(str, self.cores))}"
+        return f"GPU {self.gpu}" if self.device == "cuda" else cores_text(self.cores)
+
+
+def cores_text(cores: tuple[int, ...]) -> str:
+    """(1,) -> 'core 1'; (2, 3) -> 'cores 2,3'."""
+    return f"core{'s' if len(cores) > 1 else ''} {','.join(map(str, cores))}"
 
 
 def parse_cores(text: str, setting: str = "rollout.devices") -> tuple[int, ...]:
@@ -194,9 +197,10 @@ def serve(conn, engine: RolloutEngine, placement: Placement, threads: int) -> No
     else:
         torch.cuda.set_device(placement.gpu)
     torch.set_num_threads(threads)
-    import transformers.modeling_utils  # noqa: F401 - the bulk of unpickling the model's imports, done
+    # the bulk of unpickling the model's imports, done while the trainer validates step 0, not when the
+    # first rollout is asked for
+    import transformers.modeling_utils  # noqa: F401
 
-    # while the trainer validates step 0, not when the first rollout is asked for
     try:
         model = conn.recv()
     except EOFError:
@@ -250,7 +254,8 @@ def _entry_script_hidden():
 class ProcessEngine(RolloutEngine):
     """A rollout engine whose one-step-off rollouts (`submit`, `receive`) are sampled in a process of its
     own, `serve`, placed by `rollout.devices`; `generate` (validation) runs the same engine in this
-    process, with the live weights. Started at the first `submit`, ended by `close`."""
+    process, with the live weights. Started by `start` (the DataModule's setup, else the first
+    `submit`), ended by `close`."""
 
     def __init__(self, inner: RolloutEngine, placement: Placement) -> None:
         self.inner, self.placement = inner, placement
@@ -259,11 +264,8 @@ class ProcessEngine(RolloutEngine):
         self.blueprint = copy.deepcopy(inner)
         self.name = f"{inner.name} (sampler process on {placement.describe()})"
         self.generates_in_trainer_precision = inner.generates_in_trainer_precision
-        self.sampling, self.eos_token_ids, self.pad_token_id = (
-            inner.sampling,
-            inner.eos_token_ids,
-            inner.pad_token_id,
-        )
+        self.sampling, self.eos_token_ids = inner.sampling, inner.eos_token_ids
+        self.pad_token_id = inner.pad_token_id
         self.process = self.conn = self.model = None
         self.weights: PolicyWeights | None = None
         self.version: int | None = None
@@ -369,9 +371,8 @@ class ProcessEngine(RolloutEngine):
         if placement.trainer_cores is not None:
             os.sched_setaffinity(0, placement.trainer_cores)
             torch.set_num_threads(len(placement.trainer_cores))
-            cores = ",".join(map(str, placement.trainer_cores))
-            kept = f"; training keeps core{'s' if len(placement.trainer_cores) > 1 else ''} {cores} with " \
-                   f"{len(placement.trainer_cores)} thread(s)"  # fmt: skip
+            kept = cores_text(placement.trainer_cores)
+            kept = f"; training keeps {kept} with {len(placement.trainer_cores)} thread(s)"
         log.info("one step off: the sampler process (pid %d) runs on %s with %d thread(s)%s",
                  self.process.pid, placement.describe(), threads, kept)  # fmt: skip
 
