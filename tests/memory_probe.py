@@ -2,13 +2,13 @@
 
 Run as a script in a fresh process (`python tests/memory_probe.py CACHE_DIR GROUPS_PER_PASS`): it
 prints the rise of the process's peak resident memory during `RolloutDataModule.rollout`, in MiB.
-A separate process is the only clean way to read a peak on CPU (`ru_maxrss` never goes down).
+A separate process is the only clean way to read a peak on CPU (the process's high-water mark, kept
+by `loorl.util.peak_memory` across the phase clock's restarts of it, is what earlier work left too).
 """
 
 from __future__ import annotations
 
 import json
-import resource
 import string
 import sys
 from pathlib import Path
@@ -45,6 +45,7 @@ def main(cache: str, groups_per_pass: int) -> None:
     from loorl.build import build_datamodule, build_module
     from loorl.config import compose_config
     from loorl.models.load import load_tokenizer
+    from loorl.util.peak_memory import host_peak_bytes
 
     torch.manual_seed(0)
     model_dir = Path(cache) / "vocab32k"
@@ -70,10 +71,10 @@ def main(cache: str, groups_per_pass: int) -> None:
     module.configure_model()
     dm = build_datamodule(cfg, task, tok, str(model_dir))
     dm.setup("fit")
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    before = host_peak_bytes() / 1024  # KiB
     dm.engine.sync(module.policy)
     batch, _ = module.prepare(dm.collect(step=0).batch)  # generation, then reference and old log-probs
-    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    after = host_peak_bytes() / 1024  # ru_maxrss would lose the peaks before the phases' restarts
     assert batch.ref_logprobs is not None and batch.old_logprobs is not None
     print(json.dumps({
         "peak_rise_mib": (after - before) / 1024,

@@ -1,5 +1,5 @@
 """`loorl.util.peak_memory`: the host peak restarts at each run (a multirun's later job does not report
-an earlier job's peak)."""
+an earlier job's peak), each phase's peak is its own."""
 
 from __future__ import annotations
 
@@ -12,8 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from loorl.training.callbacks import MEMORY_PHASES, phase_memory_table
 from loorl.util.peak_memory import peak_memory_gb
 from loorl.util.profiling import cuda_in_use
+
+ROOT = Path(__file__).resolve().parents[1]
+LINUX_ONLY = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="the reset is Linux's /proc/self/clear_refs"
+)
 
 # in a fresh interpreter: this one's freed memory may stay resident (keep_freed_memory) and be reused
 PROBE = """
@@ -35,12 +41,17 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the reset is Linux's /proc/self/clear_refs")
-def test_the_peak_follows_an_allocation_and_restarts_at_a_reset():
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
-    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, env=env)
+def _fresh(code: str) -> dict:
+    """What `code` prints (JSON), run in a fresh interpreter on this checkout's source."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
-    m = json.loads(done.stdout)
+    return json.loads(done.stdout)
+
+
+@LINUX_ONLY
+def test_the_peak_follows_an_allocation_and_restarts_at_a_reset():
+    m = _fresh(PROBE)
     assert m["reset"] and m["with_block"] - m["before"] > 0.35e9
     assert m["after_reset"] < m["with_block"] - 0.3e9  # the block's peak is forgotten
     assert m["after_reset"] <= m["resident"] + 16e6
@@ -50,3 +61,58 @@ def test_peak_memory_gb_reports_cuda_only_where_it_runs():
     memory = peak_memory_gb()
     assert memory["peak_host_gb"] > 0.05
     assert np.isnan(memory["peak_cuda_gb"]) != cuda_in_use()
+
+
+# a phase that allocates 400 MB between two that do not; then the job's peak and a new job's
+PHASES_PROBE = """
+import json
+import torch
+from loorl.util.peak_memory import host_peak_bytes, pop_phase_peaks_gb, reset_peak_memory
+from loorl.util.profiling import PhaseClock
+
+reset_peak_memory()
+clock = PhaseClock()
+with clock.phase("gen"):
+    pass
+with clock.phase("backward"):
+    block = torch.ones(50_000_000, dtype=torch.float64)  # 400 MB, touched: resident
+    del block
+with clock.phase("optimizer"):
+    with clock.phase("entropy"):  # nested: the outer phase gets the inner one's peak too
+        block = torch.ones(25_000_000, dtype=torch.float64)  # 200 MB
+        del block
+out = {"phases": pop_phase_peaks_gb(), "again": pop_phase_peaks_gb(), "job": host_peak_bytes() / 1e9}
+reset_peak_memory()
+out["next_job"] = host_peak_bytes() / 1e9
+print(json.dumps(out))
+"""
+
+
+@LINUX_ONLY
+def test_each_phase_reports_its_own_peak_and_the_job_keeps_the_largest():
+    m = _fresh(PHASES_PROBE)
+    p = m["phases"]
+    assert set(p) == {f"mem/{n}_{w}_host_gb" for n in ("gen", "backward", "optimizer", "entropy")
+                      for w in ("peak", "rise")}  # fmt: skip
+    assert p["mem/backward_peak_host_gb"] - p["mem/gen_peak_host_gb"] > 0.35
+    assert p["mem/backward_rise_host_gb"] > 0.35 and p["mem/gen_rise_host_gb"] < 0.02
+    assert 0.15 < p["mem/entropy_rise_host_gb"] < 0.3 and p["mem/optimizer_rise_host_gb"] > 0.15
+    assert m["again"] == {}  # a pop forgets
+    # the phase resets lose nothing of the job's peak; a new job starts from what is resident
+    assert m["job"] == pytest.approx(p["mem/backward_peak_host_gb"], abs=0.02)
+    assert m["next_job"] < m["job"] - 0.3
+
+
+def test_the_summary_table_shows_the_measured_phases_and_cuda_only_where_used():
+    nan = float("nan")
+    keys = ("peak_host", "rise_host", "peak_cuda", "rise_cuda")
+    s = {f"{p}_{k}_gb": nan for p in MEMORY_PHASES for k in keys}
+    assert phase_memory_table(s) == []  # nothing measured (e.g. a run without steps): no table
+    s |= {"gen_peak_host_gb": 1.5, "gen_rise_host_gb": 0.25, "backward_peak_host_gb": 2.0,
+          "backward_rise_host_gb": 0.5}  # fmt: skip
+    lines = phase_memory_table(s)
+    assert lines[-3:] == ["| --- | --- | --- |", "| gen | 1.500 | 0.250 |", "| backward | 2.000 | 0.500 |"]
+    s |= {"gen_peak_cuda_gb": 3.0, "gen_rise_cuda_gb": 1.0, "backward_peak_cuda_gb": 4.0,
+          "backward_rise_cuda_gb": 2.0}  # fmt: skip
+    assert phase_memory_table(s)[-1] == "| backward | 2.000 | 0.500 | 4.000 | 2.000 |"
+    assert "CUDA peak" in phase_memory_table(s)[-4]

@@ -19,7 +19,7 @@ from loorl.models.sources import model_label
 from loorl.parallel.distributed import shutdown
 from loorl.parallel.launch import configure_threads
 from loorl.rollout.sync import EngineSync
-from loorl.training.callbacks import HFExport, RunSummary, SampleLog
+from loorl.training.callbacks import HFExport, PhaseMemory, RunSummary, SampleLog
 from loorl.training.checkpoints import (
     AtomicCheckpointIO,
     EpochRow,
@@ -121,6 +121,7 @@ def train(cfg: DictConfig) -> dict[str, float]:
     callbacks = [
         RankChecks(output_dir, resume_step=None if resume is None else resume.epoch + 1),
         EngineSync(datamodule.engine),
+        PhaseMemory(),  # before the summary, which reads what it logs
         summary,
         EpochRow(),  # before the callbacks that write checkpoints
         stop,

@@ -17,12 +17,13 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from loorl.models.lora import is_lora, save_lora
 from loorl.parallel.fsdp import full_state_dict, is_sharded, unwrapped_class
-from loorl.util.peak_memory import peak_memory_gb
+from loorl.util.peak_memory import peak_memory_gb, pop_phase_peaks_gb
 from loorl.util.profiling import PHASES
 
 log = logging.getLogger("loorl")
 
 PLOTTED = ("rollout/reward", "val/accuracy")
+MEMORY_PHASES = tuple(p for p in PHASES if p != "other")  # the PhaseClock's phases, each with its peak
 
 
 def _mean(values: list[float]) -> float:
@@ -39,6 +40,40 @@ def peak_memory_text(host_gb: float, cuda_gb: float) -> str:
     """`2.10 GB resident on the host`, plus `; 30.5 GB allocated on CUDA` where CUDA was used."""
     text = f"{host_gb:.2f} GB resident on the host"
     return text if math.isnan(cuda_gb) else f"{text}; {cuda_gb:.2f} GB allocated on CUDA"
+
+
+def phase_memory_table(s: dict[str, float]) -> list[str]:
+    """The summary's memory by phase as markdown lines ([] when no phase was measured): each phase's
+    peak and its rise over what was in use when it started, the largest over steps
+    (`loorl.util.peak_memory`). The CUDA columns only where CUDA was used."""
+    phases = [p for p in MEMORY_PHASES if not math.isnan(s[f"{p}_peak_host_gb"])]
+    if not phases:
+        return []
+    keys = ["peak_host", "rise_host"]
+    if any(not math.isnan(s[f"{p}_peak_cuda_gb"]) for p in phases):
+        keys += ["peak_cuda", "rise_cuda"]
+    names = {"peak_host": "host peak", "rise_host": "host rise", "peak_cuda": "CUDA peak",
+             "rise_cuda": "CUDA rise"}  # fmt: skip
+    lines = ["", "Memory by phase, GB (resident on the host, allocated on CUDA; the largest over steps; "
+             "rise: above what was in use when the phase started):", ""]  # fmt: skip
+    lines += ["| phase | " + " | ".join(names[k] for k in keys) + " |", "| --- |" + " --- |" * len(keys)]
+    for p in phases:
+        lines.append(f"| {p} | " + " | ".join(f"{s[f'{p}_{k}_gb']:.3f}" for k in keys) + " |")
+    return lines
+
+
+class PhaseMemory(L.Callback):
+    """Logs each step's memory by phase (`mem/<phase>_peak_host_gb` and `mem/<phase>_rise_host_gb`,
+    `..._cuda_gb` where CUDA is in use; `loorl.util.peak_memory.phase_peak`): the step's rollout (gen,
+    grade) and its update. What validation's phases reached goes into the run's overall peak only."""
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        pop_phase_peaks_gb()  # the step's rollout is generated after this hook, as the loop fetches it
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        peaks = pop_phase_peaks_gb()  # this rank's (rank 0's are logged)
+        if peaks:
+            pl_module.log_dict(peaks, on_step=False, on_epoch=True, reduce_fx="max", batch_size=1)
 
 
 class RunSummary(L.Callback):
@@ -82,7 +117,7 @@ class RunSummary(L.Callback):
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         epoch_values = {}  # a metric logged on step and epoch appears as `x`, `x_step` and `x_epoch`
         for key, value in trainer.callback_metrics.items():
-            if key.startswith(("rollout/", "perf/", "train/")) and not key.endswith("_step"):
+            if key.startswith(("rollout/", "perf/", "train/", "mem/")) and not key.endswith("_step"):
                 epoch_values[key.removesuffix("_epoch")] = value
         for key, value in epoch_values.items():
             self._record(key, trainer.current_epoch, value)
@@ -119,6 +154,10 @@ class RunSummary(L.Callback):
         for phase in ("step", *PHASES):  # medians: the first steps pay one-off costs (allocation, caches)
             values = self.series(f"perf/{phase}_seconds")
             out[f"{phase}_seconds"] = float(np.median(values)) if values else float("nan")
+        for phase in MEMORY_PHASES:  # the largest over steps: memory must fit the worst step
+            for key in ("peak_host", "rise_host", "peak_cuda", "rise_cuda"):
+                values = self.series(f"mem/{phase}_{key}_gb")
+                out[f"{phase}_{key}_gb"] = max(values) if values else float("nan")
         return out
 
     def markdown(self, s: dict[str, float]) -> str:
@@ -170,7 +209,7 @@ class RunSummary(L.Callback):
             rows.append(("seconds per step (median): whole; phases", f"{s['step_seconds']:.2f}; {parts}"))
         lines = [f"## {self.title}", "", "| metric | value |", "| --- | --- |"]
         lines += [f"| {k} | {v} |" for k, v in rows]
-        return "\n".join(lines) + "\n"
+        return "\n".join(lines + phase_memory_table(s)) + "\n"
 
     def plot(self, path: Path) -> None:
         import matplotlib

@@ -71,6 +71,13 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+def cuda_in_use() -> bool:
+    """Whether this process has started CUDA (then kernels may be queued when a phase starts or ends,
+    and the allocator keeps a peak). A flag read, no driver call: False on CPU builds, on machines
+    without a GPU, and in runs that never touch CUDA."""
+    return torch.cuda.is_initialized()
+
+
 def uses_cuda(accelerator: str = "auto", *, available: bool | None = None) -> bool:
     """Whether a run with `trainer.accelerator=accelerator` computes on CUDA: never for cpu, always for
     gpu/cuda, and for auto where a CUDA device is available. Every choice made for the device (engine,

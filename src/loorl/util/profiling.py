@@ -4,7 +4,8 @@ Each phase is a `torch.profiler.record_function` range named `loorl/<phase>` (wh
 `scripts/profile_step.py` groups the profiler's operators by) and a wall-clock sum logged as
 `perf/<phase>_seconds`. The DataModule times `gen` and `grade`, the module `prepare`, `forward`,
 `backward` and `optimizer`; `perf/step_seconds` is the whole step and `perf/other_seconds` what no
-phase covers (Lightning's loop, logging, batch assembly, Python).
+phase covers (Lightning's loop, logging, batch assembly, Python). Each phase also records its peak
+memory and its rise (`loorl.util.peak_memory.phase_peak`), logged per step as `mem/<phase>_*_gb`.
 
 On a GPU, kernels run after the Python that launched them returns: without a wait a phase measures
 its launches, and the time shows up in whichever later phase first waits (`.item()`). So when this
@@ -20,14 +21,10 @@ from contextlib import contextmanager
 
 import torch
 
+from loorl.util.hardware import cuda_in_use
+from loorl.util.peak_memory import phase_peak
+
 PHASES = ("gen", "grade", "prepare", "forward", "backward", "entropy", "optimizer", "other")
-
-
-def cuda_in_use() -> bool:
-    """Whether this process has started CUDA (then kernels may be queued when a phase starts or ends).
-    A flag read, no driver call: False on CPU builds, on machines without a GPU, and in runs that
-    never touch CUDA."""
-    return torch.cuda.is_initialized()
 
 
 class PhaseClock:
@@ -42,7 +39,7 @@ class PhaseClock:
 
     @contextmanager
     def phase(self, name: str):
-        with torch.profiler.record_function(f"loorl/{name}"):
+        with torch.profiler.record_function(f"loorl/{name}"), phase_peak(name):
             self._wait_for_device()  # what earlier phases queued is not this phase's time
             start = time.perf_counter()
             try:
