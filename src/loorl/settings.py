@@ -104,6 +104,8 @@ class RLSettings(Section):
     epochs_per_rollout: PositiveInt = 1
     share_prompt: bool = True  # each group's prompt runs once in generation and training passes
     skip_zero_advantage: bool = True  # groups whose advantages are all 0 skip the training passes
+    microbatch_tokens: PositiveInt | None = None  # packed micro-batches of at most this many real tokens
+    logprob_chunk_tokens: PositiveInt = 512  # token positions per chunk of output-layer logits
 
     def __post_init__(self) -> None:
         if self.prompts_per_step % self.prompts_per_minibatch:

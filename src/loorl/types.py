@@ -83,11 +83,21 @@ class RolloutBatch:
     def select_groups(self, groups: list[int]) -> RolloutBatch:
         """The rows of whole groups, in the given order."""
         k = self.samples_per_prompt
-        rows = torch.tensor([g * k + i for g in groups for i in range(k)], dtype=torch.long)  # [n*K]
+        return self.select_rows(torch.tensor([g * k + i for g in groups for i in range(k)], dtype=torch.long))
+
+    def select_rows(self, rows: torch.Tensor) -> RolloutBatch:
+        """The given rows [n], in order. Rows that are whole groups keep `samples_per_prompt`; any
+        other selection (packed micro-batches, whose advantages are already computed) has 1."""
+        k = self.samples_per_prompt
+        whole = len(rows) % k == 0 and bool(
+            (rows.view(-1, k) == rows.view(-1, k)[:, :1] + torch.arange(k)).all()
+            and (rows[::k] % k == 0).all()
+        )
         values = {}
         for f in fields(self):
             v = getattr(self, f.name)
-            values[f.name] = v[rows] if isinstance(v, torch.Tensor) else v
+            values[f.name] = v[rows.to(v.device)] if isinstance(v, torch.Tensor) else v
+        values["samples_per_prompt"] = k if whole else 1
         return RolloutBatch(**values)
 
     def groups_with_signal(self) -> list[int]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 
 import lightning as L
@@ -28,13 +29,7 @@ from torchmetrics import MeanMetric, SumMetric
 
 from loorl.algo.estimators import AdvantageInput
 from loorl.algo.kl import AdaptiveKLController, FixedKLController, sequence_kl
-from loorl.algo.logprobs import (
-    FrozenReference,
-    completion_logits,
-    completion_logprobs,
-    token_entropy,
-    token_logprobs,
-)
+from loorl.algo.logprobs import FrozenReference, completion_logprobs, completion_scores, microbatch_rows
 from loorl.algo.objectives import LossStats, policy_loss, token_loss_of
 from loorl.models.load import load_causal_lm
 from loorl.models.lora import AdapterFreeReference, apply_lora, frozen_names
@@ -211,6 +206,8 @@ class PolicyGradientModule(L.LightningModule):
             "sampling": self.sampling,
             "groups_per_pass": self.rl.prompts_per_microbatch,
             "share_prompt": self.rl.share_prompt,
+            "microbatch_tokens": self.rl.microbatch_tokens,  # the same token budget as the training passes
+            "chunk_tokens": self.rl.logprob_chunk_tokens,
         }
         off_policy = self.rl.steps_per_rollout > 1
         policy_logprobs = None  # [N, C] the trained policy's, where they can differ from the sampler's
@@ -304,19 +301,20 @@ class PolicyGradientModule(L.LightningModule):
         counts = {"num_tokens": max(counts[0], 1.0), "num_seqs": int(counts[1])}
         world = rank_and_world()[1]
         kl_coef = self.kl_controller.value if self.reference is not None and not self.kl.in_reward else None
-        truncation = self.sampling.score_args  # the sampler's temperature, top-k, top-p
         skip = self.rl.skip_zero_advantage and kl_coef is None  # a KL loss term has a gradient on every row
         stats = LossStats()
-        for sub in batch.group_chunks(self.rl.prompts_per_microbatch):
-            keep = sub.groups_with_signal() if skip else None
-            if keep is not None and len(keep) < sub.num_groups:  # the counts above are the whole
-                sub = sub.select_groups(keep)  # mini-batch's: the loss and gradient stay the same
-            with self.clock.phase("forward"):  # the policy's pass and the loss on its logits
+        for sub in self.microbatches(batch, skip_zero_advantage=skip):
+            with self.clock.phase("forward"):  # the policy's pass and the loss on its log-probs
                 with cached_autocast(self.device):  # one bf16 copy of each weight, not one per pass
-                    logits = completion_logits(
-                        self.policy, sub, share_prompt=self.rl.share_prompt
-                    )  # [n, C, V]
-                logp = token_logprobs(logits, sub.completion_ids, **truncation)  # [n, C]
+                    logp, entropy = completion_scores(
+                        self.policy,
+                        sub,
+                        sampling=self.sampling,
+                        share_prompt=self.rl.share_prompt,
+                        packed=self.rl.microbatch_tokens is not None,
+                        chunk_tokens=self.rl.logprob_chunk_tokens,
+                        with_entropy=True,
+                    )  # [n, C] each; the entropy without gradient
                 loss, micro = policy_loss(
                     logp,
                     sub,
@@ -328,10 +326,29 @@ class PolicyGradientModule(L.LightningModule):
                 )
             with self.clock.phase("backward"):
                 backward(loss * world if world > 1 else loss)
-            with torch.no_grad(), self.clock.phase("entropy"):
-                entropy = token_entropy(logits.detach(), tokens=sub.completion_ids, **truncation)  # [n, C]
-            stats += micro + LossStats(entropy=float((entropy * sub.completion_mask).sum()))
+            stats += micro + LossStats(
+                entropy=float(torch.where(sub.completion_mask.bool(), entropy, 0.0).sum())
+            )
         return stats
+
+    def microbatches(self, batch: RolloutBatch, *, skip_zero_advantage: bool) -> Iterator[RolloutBatch]:
+        """The pieces of a mini-batch that one forward and backward take: `rl.prompts_per_microbatch`
+        whole groups (padded), or with `rl.microbatch_tokens` packed micro-batches of at most that
+        many real tokens (advantages are already computed, so rows of a group may be apart, unless
+        `share_prompt` packs their prompt once). `skip_zero_advantage`: groups whose advantages are
+        all 0 are left out first; the loss's counts are the whole mini-batch's, so the loss and the
+        gradient stay the same."""
+        budget = self.rl.microbatch_tokens
+        if budget is None:
+            for sub in batch.group_chunks(self.rl.prompts_per_microbatch):
+                keep = sub.groups_with_signal() if skip_zero_advantage else None
+                yield sub if keep is None or len(keep) == sub.num_groups else sub.select_groups(keep)
+            return
+        if skip_zero_advantage:
+            keep = batch.groups_with_signal()
+            batch = batch if len(keep) == batch.num_groups else batch.select_groups(keep)
+        for rows in microbatch_rows(batch, budget, share_prompt=self.rl.share_prompt):
+            yield batch.select_rows(rows)
 
     def on_train_epoch_start(self) -> None:
         self._step_started = time.perf_counter()  # before the loop fetches (and generates) the rollout
