@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from loorl.training.callbacks import MEMORY_PHASES, phase_memory_table
 from loorl.util.peak_memory import peak_memory_gb
@@ -92,15 +93,64 @@ print(json.dumps(out))
 def test_each_phase_reports_its_own_peak_and_the_job_keeps_the_largest():
     m = _fresh(PHASES_PROBE)
     p = m["phases"]
-    assert set(p) == {f"mem/{n}_{w}_host_gb" for n in ("gen", "backward", "optimizer", "entropy")
+    assert set(p) == {f"perf/{n}_{w}_host_gb" for n in ("gen", "backward", "optimizer", "entropy")
                       for w in ("peak", "rise")}  # fmt: skip
-    assert p["mem/backward_peak_host_gb"] - p["mem/gen_peak_host_gb"] > 0.35
-    assert p["mem/backward_rise_host_gb"] > 0.35 and p["mem/gen_rise_host_gb"] < 0.02
-    assert 0.15 < p["mem/entropy_rise_host_gb"] < 0.3 and p["mem/optimizer_rise_host_gb"] > 0.15
+    assert p["perf/backward_peak_host_gb"] - p["perf/gen_peak_host_gb"] > 0.35
+    assert p["perf/backward_rise_host_gb"] > 0.35 and p["perf/gen_rise_host_gb"] < 0.02
+    assert 0.15 < p["perf/entropy_rise_host_gb"] < 0.3 and p["perf/optimizer_rise_host_gb"] > 0.15
     assert m["again"] == {}  # a pop forgets
     # the phase resets lose nothing of the job's peak; a new job starts from what is resident
-    assert m["job"] == pytest.approx(p["mem/backward_peak_host_gb"], abs=0.02)
+    assert m["job"] == pytest.approx(p["perf/backward_peak_host_gb"], abs=0.02)
     assert m["next_job"] < m["job"] - 0.3
+
+
+class FakeCudaAllocator:
+    """torch.cuda's peak statistics, without a GPU: `alloc`/`free` move the allocated bytes."""
+
+    def __init__(self) -> None:
+        self.allocated = self.peak = 0
+
+    def alloc(self, n: int) -> None:
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+
+    def free(self, n: int) -> None:
+        self.allocated -= n
+
+    def reset_peak(self) -> None:
+        self.peak = self.allocated
+
+
+def test_cuda_peaks_by_phase_and_the_jobs_peak_across_the_restarts(monkeypatch):
+    """The CUDA path with a faked allocator (untested on a GPU here): each phase's peak and rise, and
+    the job's peak, which the phase boundaries' restarts of torch's peak do not lose."""
+    from loorl.util import peak_memory
+
+    gpu = FakeCudaAllocator()
+    monkeypatch.setattr(peak_memory, "cuda_in_use", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: gpu.peak)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: gpu.allocated)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: gpu.reset_peak())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    peak_memory.reset_peak_memory()
+    gpu.alloc(100)  # the weights, before any phase
+    with peak_memory.phase_peak("forward"):
+        gpu.alloc(500)  # activations, kept for the backward
+    with peak_memory.phase_peak("backward"):
+        gpu.alloc(300)
+        gpu.free(800)
+    with peak_memory.phase_peak("optimizer"):
+        gpu.alloc(50)
+        gpu.free(50)
+    p = peak_memory.pop_phase_peaks_gb()
+    gb = peak_memory.GB
+    assert p["perf/forward_peak_cuda_gb"] * gb == 600 and p["perf/forward_rise_cuda_gb"] * gb == 500
+    assert p["perf/backward_peak_cuda_gb"] * gb == 900 and p["perf/backward_rise_cuda_gb"] * gb == 300
+    assert p["perf/optimizer_peak_cuda_gb"] * gb == 150 and p["perf/optimizer_rise_cuda_gb"] * gb == 50
+    assert peak_memory.cuda_peak_bytes() == 900  # the backward's, after two restarts since
+    assert peak_memory.peak_memory_gb()["peak_cuda_gb"] * gb == 900
+    peak_memory.reset_peak_memory()  # a new job
+    assert peak_memory.cuda_peak_bytes() == 100
 
 
 def test_the_summary_table_shows_the_measured_phases_and_cuda_only_where_used():

@@ -63,7 +63,7 @@ def phase_memory_table(s: dict[str, float]) -> list[str]:
 
 
 class PhaseMemory(L.Callback):
-    """Logs each step's memory by phase (`mem/<phase>_peak_host_gb` and `mem/<phase>_rise_host_gb`,
+    """Logs each step's memory by phase (`perf/<phase>_peak_host_gb` and `perf/<phase>_rise_host_gb`,
     `..._cuda_gb` where CUDA is in use; `loorl.util.peak_memory.phase_peak`): the step's rollout (gen,
     grade) and its update. What validation's phases reached goes into the run's overall peak only."""
 
@@ -117,7 +117,7 @@ class RunSummary(L.Callback):
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         epoch_values = {}  # a metric logged on step and epoch appears as `x`, `x_step` and `x_epoch`
         for key, value in trainer.callback_metrics.items():
-            if key.startswith(("rollout/", "perf/", "train/", "mem/")) and not key.endswith("_step"):
+            if key.startswith(("rollout/", "perf/", "train/")) and not key.endswith("_step"):
                 epoch_values[key.removesuffix("_epoch")] = value
         for key, value in epoch_values.items():
             self._record(key, trainer.current_epoch, value)
@@ -156,7 +156,7 @@ class RunSummary(L.Callback):
             out[f"{phase}_seconds"] = float(np.median(values)) if values else float("nan")
         for phase in MEMORY_PHASES:  # the largest over steps: memory must fit the worst step
             for key in ("peak_host", "rise_host", "peak_cuda", "rise_cuda"):
-                values = self.series(f"mem/{phase}_{key}_gb")
+                values = self.series(f"perf/{phase}_{key}_gb")
                 out[f"{phase}_{key}_gb"] = max(values) if values else float("nan")
         return out
 

@@ -5,8 +5,8 @@ A Hydra multirun trains its jobs one after another in one process, so the host p
 process started would be the largest job's. Linux lets a process restart that peak: writing "5" to
 `/proc/self/clear_refs` resets `VmHWM` (Linux 4.0+; `getrusage`'s `ru_maxrss` with it), read back
 from `/proc/self/status`. A job's peak starts from what is resident when it starts; `cli/train.py`
-hands the earlier job's memory back first (`loorl.util.allocator.give_back_freed_memory`), so that
-is close to what a fresh process holds. Elsewhere, or where that file is not writable
+hands each job's memory back at its end (`loorl.util.allocator.release_memory`), so that is close to
+what a fresh process holds. Elsewhere, or where that file is not writable
 (`reset_peak_memory` returns False), the peak is since the process started (`getrusage`).
 
 By phase (`phase_peak`, entered by `loorl.util.profiling.PhaseClock`): each phase boundary reads the
@@ -18,6 +18,9 @@ A phase's peak includes what was resident before it; its rise (peak minus what w
 allocated on CUDA, when it started) is what the phase itself added. With `keep_freed_memory` the
 resident set never shrinks, so after the first steps every phase's host peak is the run's, and the
 rise (the largest over steps) is what tells the phases apart: memory freed earlier is reused first.
+The restarts are the kernel's: what reads the process's peak from outside (`/usr/bin/time`, a
+parent's `ru_maxrss`) sees only the peak since the last phase boundary (about the run's own where
+`keep_freed_memory` keeps the resident set up; less without it): the summary's peak is the run's.
 No library keeps this (psutil reads VmHWM but cannot reset it; torch has no host-memory peak)."""
 
 from __future__ import annotations
@@ -127,14 +130,14 @@ def phase_peak(name: str):
 
 
 def pop_phase_peaks_gb() -> dict[str, float]:
-    """The phases' peaks and rises since the last pop as `mem/<phase>_{peak,rise}_host_gb` metrics (and
+    """The phases' peaks and rises since the last pop as `perf/<phase>_{peak,rise}_host_gb` metrics (and
     `..._cuda_gb` where CUDA is in use); forgets them."""
     devices = ("host", "cuda") if cuda_in_use() else ("host",)
     out = {}
     for name, record in _PEAKS.phases.items():
         values = dict(zip(("peak_host", "peak_cuda", "rise_host", "rise_cuda"), record))
         for what in ("peak", "rise"):
-            out |= {f"mem/{name}_{what}_{d}_gb": values[f"{what}_{d}"] / GB for d in devices}
+            out |= {f"perf/{name}_{what}_{d}_gb": values[f"{what}_{d}"] / GB for d in devices}
     _PEAKS.phases.clear()
     return out
 
