@@ -33,7 +33,7 @@ from loorl.training.checkpoints import (
     slurm_job_id,
 )
 from loorl.training.rank_checks import RankChecks
-from loorl.util.allocator import keep_freed_memory, keeps_freed_memory
+from loorl.util.allocator import keep_freed_memory, keeps_freed_memory, release_memory
 from loorl.util.hardware import cuda_available
 from loorl.util.peak_memory import reset_peak_memory
 
@@ -86,10 +86,20 @@ def note_determinism(trainer: L.Trainer, cfg: DictConfig, *, resuming: bool) -> 
 
 
 def train(cfg: DictConfig) -> dict[str, float]:
-    """Check the config, build everything, validate once (step 0), train, write the outputs.
+    """Check the config, build everything, validate once (step 0), train, write the outputs; then hand
+    the job's memory back (`release_memory`), so that a multirun's next job in this process starts
+    where this one did.
 
     Resuming (`resume_from`: a checkpoint, or `auto` for the newest under `output_dir`) skips the
     step-0 validation, whose result is in the checkpoint with the rest of the run's history."""
+    try:
+        return train_job(cfg)
+    finally:  # after train_job's frame is gone: nothing of the job is referenced any more
+        release_memory()
+
+
+def train_job(cfg: DictConfig) -> dict[str, float]:
+    """`train`'s work: the run's objects live in this frame and go with it."""
     s = check_config(cfg)
     configure_threads(lightning_devices=lightning_launched_processes(cfg))  # before anything computes
     reset_peak_memory()  # the summary's peak starts here, not at an earlier multirun job's peak
