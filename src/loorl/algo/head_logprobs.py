@@ -7,7 +7,7 @@ output layer runs chunk by chunk over tokens: each chunk's logits live only whil
 entropy are computed, the backward recomputes them instead of keeping them, so the extra peak is
 one chunk's logits, whatever the batch.
 
-The distribution is the sampler's, exactly as `loorl.algo.logprobs` defines it (temperature, then
+The distribution is the sampler's, exactly as `loorl.algo.distribution` defines it (temperature, then
 top-k / top-p with the sampled token always kept), and the values and gradients equal the plain
 path's to float rounding (`tests/test_head_logprobs.py`). Written by hand because the fused kernels
 that do this (liger-kernel's fused linear cross-entropy, the peers' fused log-prob heads) neither
@@ -24,7 +24,7 @@ from contextlib import contextmanager
 
 import torch
 
-from loorl.algo.logprobs import _check_temperature, _upcast, filter_logits
+from loorl.algo.distribution import _check_temperature, _upcast, filter_logits
 
 DEFAULT_CHUNK_TOKENS = 512  # tokens per chunk of logits (see README "Memory"): 100 MB at V=49,152
 
@@ -127,7 +127,11 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(h) if need_h else None  # [M, H]
         accumulate = torch.promote_types(w.dtype, torch.float32)
-        grad_w_t = w.new_zeros(w.shape[::-1], dtype=accumulate) if need_w else None  # [H, V]
+        # The weight's gradient is summed over chunks in float32: as [V, H] on CUDA; on the CPU as
+        # [H, V] = h^T @ grad, which keeps the chunk's gradient the untransposed operand (the CPU
+        # matmul copies a transposed one: a second chunk of memory)
+        transposed = need_w and not w.is_cuda
+        grad_w = w.new_zeros(w.shape[::-1] if transposed else w.shape, dtype=accumulate) if need_w else None
         grad_b = None if b is None or not need_b else w.new_zeros(w.shape[0], dtype=accumulate)  # [V]
         device = h.device.type
         with torch.autocast(device, enabled=False):
@@ -142,20 +146,20 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
                 del scaled
                 if need_h:
                     grad_h[part] = grad_logits @ w  # [c, H]
-                # [H, c] @ [c, V]: the chunk's gradient as the untransposed operand (on the CPU a
-                # transposed one is copied, a second chunk); bf16 products are summed in float32
-                if need_w and grad_w_t.dtype == grad_logits.dtype:
-                    grad_w_t.addmm_(h[part].T, grad_logits)
-                elif need_w:
-                    grad_w_t += h[part].T @ grad_logits
+                if need_w:
+                    left, right = (h[part].T, grad_logits) if transposed else (grad_logits.T, h[part])
+                    if grad_w.dtype == grad_logits.dtype:
+                        grad_w.addmm_(left, right)  # [H, V] or [V, H], in place
+                    else:
+                        grad_w += left @ right  # bf16 products summed in float32
+                    del left, right  # they hold the chunk's gradient
                 if grad_b is not None:
                     grad_b += grad_logits.sum(0).to(grad_b.dtype)
                 del grad_logits
-        grad_w = (
-            None
-            if grad_w_t is None
-            else grad_w_t.T.to(ctx.weight_dtype, memory_format=torch.contiguous_format)
-        )
+        if need_w:
+            grad_w = (grad_w.T if transposed else grad_w).to(
+                ctx.weight_dtype, memory_format=torch.contiguous_format
+            )
         grad_h = None if grad_h is None else grad_h.to(ctx.hidden_dtype)
         grad_b = None if grad_b is None else grad_b.to(ctx.weight_dtype)
         return grad_h, grad_w, grad_b, None, None, None, None, None, None
