@@ -181,7 +181,8 @@ def train_job(cfg: DictConfig) -> dict[str, float]:
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume.path if resume else None)
     finally:
         finish_loggers(loggers)
-    result = summary.summary(trainer)
+    # rank 0: the figures summary.md shows (the peak is read once); other ranks: their own
+    result = summary.written or summary.summary(trainer)
     # after every output is written, since SLURM ends the job as soon as it is requeued
     if stop.requeue_wanted and trainer.is_global_zero:
         requeue_slurm_job(slurm_job_id())

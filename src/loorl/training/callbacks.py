@@ -94,6 +94,7 @@ class RunSummary(L.Callback):
         self.history: dict[str, list[tuple[int, float]]] = {}
         self.started = time.perf_counter()
         self.summary_text = ""
+        self.written: dict[str, float] | None = None  # the summary on_fit_end wrote
 
     # in every checkpoint: a resumed run's summary, plot and wall time cover the whole run
     def state_dict(self) -> dict:
@@ -234,7 +235,7 @@ class RunSummary(L.Callback):
     @rank_zero_only
     def on_fit_end(self, trainer, pl_module) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        s = self.summary(trainer)
+        s = self.written = self.summary(trainer)  # what train() returns: the figures summary.md shows
         self.summary_text = self.markdown(s)
         (self.output_dir / "summary.md").write_text(self.summary_text)
         (self.output_dir / "metrics.json").write_text(

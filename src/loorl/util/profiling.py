@@ -24,7 +24,7 @@ import torch
 from loorl.util.hardware import cuda_in_use
 from loorl.util.peak_memory import phase_peak
 
-PHASES = ("gen", "grade", "prepare", "forward", "backward", "entropy", "optimizer", "other")
+PHASES = ("gen", "grade", "prepare", "forward", "backward", "optimizer", "other")
 
 
 class PhaseClock:
