@@ -119,8 +119,10 @@ def test_minibatches_take_whole_groups_from_every_rank(world):
                 "trainer.strategy.shard_reference=false",
             ),
         ),
+        # packed token-budget micro-batches (the chunked output layer inside FSDP's root forward)
+        ("fsdp", ("rl.microbatch_tokens=64",)),
     ],
-    ids=["ddp", "fsdp", "fsdp-offload-checkpointing"],
+    ids=["ddp", "fsdp", "fsdp-offload-checkpointing", "fsdp-packed"],
 )
 def test_two_processes_take_the_single_process_step(tmp_path, model_cache, single, strategy, extra):
     two = one_step(tmp_path / "out.pt", model_cache, strategy, 2, *extra)

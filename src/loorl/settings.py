@@ -311,6 +311,7 @@ class RecipeSettings(Section):
     lr_schedule: ScheduleName = "constant"
     lr_warmup_steps: NonNegativeInt = 0
     lr_min_ratio: UnitInterval = 0.0
+    microbatch_tokens: PositiveInt | None = None  # rl.microbatch_tokens (null: padded micro-batches)
 
 
 # Llama/Qwen-style decoder layers: every linear layer of attention and MLP (README "LoRA policies")
