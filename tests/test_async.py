@@ -29,11 +29,12 @@ ASYNC = "rollout.async_steps=1"
 
 
 # ---- the off-policy gradient ------------------------------------------------------------------------
-def _module_and_stale_batch(quick_cfg):
+def _module_and_stale_batch(quick_cfg, *overrides):
     """The quick run's learner, and a batch of 2 groups x K=2 sampled by an older policy: its sampler
     log-probs are those of the policy one (perturbed) update back."""
-    s = check_config(quick_cfg("rl.prompts_per_step=2", "rl.prompts_per_minibatch=2",
-                               "rl.prompts_per_microbatch=2", "rl.samples_per_prompt=2"))  # fmt: skip
+    sizes = ("rl.prompts_per_step=2", "rl.prompts_per_minibatch=2", "rl.prompts_per_microbatch=2",
+             "rl.samples_per_prompt=2")  # fmt: skip
+    s = check_config(quick_cfg(*sizes, *overrides))
     module = build_module(s, resolve_model_path(s.model, s.task, build_task(s)))
     module.configure_model()  # the policy, in float32 (the quick profile's master dtype)
     older = copy.deepcopy(module.policy)
@@ -66,12 +67,15 @@ def _gradient(module, batch) -> dict[str, torch.Tensor]:
     return {k: p.grad.clone() for k, p in module.policy.named_parameters() if p.grad is not None}
 
 
-def test_a_stale_rollout_is_trained_with_the_hand_computed_off_policy_gradient(quick_cfg):
+# packed: micro-batches of at most 12 real tokens (a group's prompt once and its 2 completions: 11
+# and 12 tokens, 2 micro-batches), the gradient still the whole mini-batch's
+@pytest.mark.parametrize("packing", [(), ("rl.microbatch_tokens=12",)], ids=["padded", "packed"])
+def test_a_stale_rollout_is_trained_with_the_hand_computed_off_policy_gradient(quick_cfg, packing):
     """With `stale=True` (what a one-step-off rollout gets) the gradient is the clipped importance-weighted
     one, with ratio r = pi / pi_sampler per token and `active` where PPO's unclipped branch is the minimum:
         g = -(1 / num_seqs) sum_i A_i sum_t active_it r_it grad log pi_it
     computed here by hand from the policy's log-probs; the synchronous path (ratio 1) gives another."""
-    module, batch = _module_and_stale_batch(quick_cfg)
+    module, batch = _module_and_stale_batch(quick_cfg, *packing)
     prepared, _ = module.prepare(batch, stale=True)
     assert torch.equal(prepared.old_logprobs, batch.sampler_logprobs)  # the behaviour policy's log-probs
 
