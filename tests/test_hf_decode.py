@@ -85,7 +85,7 @@ def test_checking_for_the_end_less_often_changes_no_sample(tiny, cache):
 
 
 def test_auto_compiles_on_cuda_only_and_bad_choices_are_one_line(quick_cfg):
-    assert hf_decode("auto", cuda=True) == "compiled" and hf_decode("auto", cuda=False) == "static"
+    assert hf_decode("auto", cuda=True) == "compiled" and hf_decode("auto", cuda=False) == "dynamic"
     assert hf_decode("static", cuda=True) == "static"
     assert static_cache_length(20, 5) == 64 and static_cache_length(60, 5) == 128
     from loorl.config import load_settings

@@ -132,6 +132,9 @@ def test_a_packed_step_equals_the_padded_step(quick_config, tiny, agg, share):
     for budget, chunk in ((48, 7), (400, 512)):  # 7: the output layer in ragged chunks of 7 positions
         overrides = (*base, f"rl.microbatch_tokens={budget}", f"rl.logprob_chunk_tokens={chunk}")
         stats, grads = _step(quick_config, path, batch, overrides)
+        grad_diff = float((grads - padded).abs().max() / scale)
+        loss_diff = abs(stats.loss - padded_stats.loss)
+        print(f"{agg} share_prompt={share} budget={budget}: loss {loss_diff:.1e}, gradient {grad_diff:.1e}")
         assert (grads - padded).abs().max() <= 1e-5 * scale, budget
         assert stats.loss == pytest.approx(padded_stats.loss, rel=1e-5, abs=1e-8)
         assert stats.entropy == pytest.approx(padded_stats.entropy, rel=1e-5)

@@ -21,7 +21,10 @@ every layer at every token, which with freed memory kept in the process grew the
 `compiled` adds a `torch.compile(mode="reduce-overhead")`
 graph for the one-token step, which on a GPU replays the step as a CUDA graph: eager decoding of a
 small model there is bound by the launch of each of its hundreds of kernels per token (SmolLM2 on an
-H100: 442 tokens/s). `auto` is `compiled` on CUDA and `static` on CPU. On CUDA the loop also asks
+H100: 442 tokens/s). `auto` is `compiled` on CUDA and `dynamic` on CPU: on an AVX2 CPU the static
+cache's log-probs moved in the last bits between a one-step-off run's sampler process and the same
+run sampling in the trainer (1e-6 in `train/sampler_logratio_max`, `tests/test_async.py`), which
+breaks that run's bit-for-bit repeatability; the dynamic cache keeps it. On CUDA the loop also asks
 the device whether every row has ended only every `CUDA_CHECK_EVERY` tokens (each ask is a host
 sync); rows that ended meanwhile decode padding, so the samples do not change. The compiled path is
 checked here on CPU (same tokens as `dynamic`); its GPU speed is untested (no GPU was lent).
@@ -226,10 +229,11 @@ class HFEngine(RolloutEngine):
 
 
 def hf_decode(name: str, *, cuda: bool) -> str:
-    """`rollout.hf_decode` -> the decoding loop's cache: auto is compiled on CUDA, static on CPU
-    (where a compiled step saves no launches; preallocated, the cache does not grow the heap)."""
+    """`rollout.hf_decode` -> the decoding loop's cache: auto is compiled on CUDA, dynamic on CPU
+    (where a compiled step saves no launches, and the static cache's log-probs are not bit-identical
+    across where the sampler runs: see the module docstring)."""
     if name == "auto":
-        return "compiled" if cuda else "static"
+        return "compiled" if cuda else "dynamic"
     return name
 
 
