@@ -318,16 +318,11 @@ def decode(
         length = static_cache_length(prompt_length, max_new_tokens, bucket=bucket)  # L
         full_mask = mask.new_zeros(b, length)  # [b, L] fixed shape: positions to come are 0
         full_mask[:, :prompt_length] = mask
+        kv = preallocated_cache(model.config, length)
         if prefill_group > 1 and prompt_length > 1:  # each prompt's first P-1 tokens once, repeated
-            kv = preallocated_cache(model.config, length)
-            head = slice(0, prompt_length - 1)
-            model(input_ids=ids[::prefill_group, head], attention_mask=mask[::prefill_group, head],
-                  position_ids=positions[::prefill_group, head], past_key_values=kv, use_cache=True,
-                  logits_to_keep=1)  # fmt: skip
-            kv.batch_repeat_interleave(prefill_group)  # [g, ...] -> [b, ...], the whole length L
+            shared_prefill(model, ids[::prefill_group], mask[::prefill_group], prefill_group, cache=kv)
             fresh = {"input_ids": ids[:, -1:], "position_ids": positions[:, -1:]}  # the last prompt token
         else:
-            kv = preallocated_cache(model.config, length)
             fresh = {"input_ids": ids, "position_ids": positions}
         logits = model(**fresh, attention_mask=full_mask, past_key_values=kv, use_cache=True,
                        logits_to_keep=1).logits[:, -1]  # fmt: skip  # [b, V]
@@ -407,8 +402,10 @@ def preallocated_cache(config, length: int):
     return cache
 
 
-def shared_prefill(model, ids: torch.Tensor, mask: torch.Tensor, n: int):
+def shared_prefill(model, ids: torch.Tensor, mask: torch.Tensor, n: int, cache=None):
     """The key/value cache of each prompt's first P-1 tokens, computed once and repeated n times.
+    `cache`: the cache to fill (a `preallocated_cache`, repeated over its whole length); None: a new
+    growing one.
 
     `ids`, `mask` [g, P]: one left-padded row per prompt. `generate` given this cache for the n*g
     expanded rows runs only their last prompt token and then decodes; the samples are those of a
@@ -417,7 +414,7 @@ def shared_prefill(model, ids: torch.Tensor, mask: torch.Tensor, n: int):
     """
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config)
+    cache = DynamicCache(config=model.config) if cache is None else cache
     head, head_mask = ids[:, :-1], mask[:, :-1]  # [g, P-1]
     positions = (head_mask.cumsum(-1) - 1).clamp(min=0)  # [g, P-1] left padding does not shift them
     model(input_ids=head, attention_mask=head_mask, position_ids=positions, past_key_values=cache,
