@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,15 @@ from loorl.util.wheels import fetch_wheel
 # so two runs (or a run and its resume) are statistically, not bitwise, the same; and with
 # rollout=auto the engine follows the machine (vLLM where CUDA and vllm are), not the trainer.
 ON_CPU = ("trainer.accelerator=cpu", "rollout=hf")
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a child Python that runs this checkout's code (installed or not): the
+    source first on PYTHONPATH, whatever PYTHONPATH held kept behind it (a GPU node installs the
+    packages it lacks into a directory named there), plus `extra`."""
+    path = os.pathsep.join(p for p in (str(SRC), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
 
 
 def tiny_parts(cfg):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig
 
+from fixtures import child_env
 from loorl.cli.train import train
 from loorl.config import CONF_DIR
 from loorl.errors import ConfigError
@@ -163,8 +163,7 @@ def test_hub_model_offline_fails_fast_with_the_fix(tmp_path, bad_cfg, monkeypatc
 
 
 def run_cli(tmp_path: Path, *args: str) -> tuple[int, str]:
-    env = {**os.environ, "LOORL_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO / "src"), env.get("PYTHONPATH")]))
+    env = child_env(LOORL_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
     proc = subprocess.run(
         [sys.executable, "src/train.py", *args, f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=REPO,

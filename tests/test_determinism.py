@@ -42,7 +42,7 @@ def _notes(caplog) -> list[logging.LogRecord]:
 
 
 def test_a_cpu_trainer_logs_no_note(quick_cfg, caplog):
-    cfg = quick_cfg()
+    cfg = quick_cfg("trainer.accelerator=cpu")  # (the quick profile trains on CUDA where it is visible)
     trainer = _trainer(cfg)
     assert not cli.trains_on_cuda(trainer)
     with caplog.at_level(logging.INFO, logger=cli.log.name):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch
 from hydra.utils import instantiate
 from safetensors.torch import load_file
 
-from fixtures import needs_cuda, tiny_model_and_prompts
+from fixtures import child_env, needs_cuda, tiny_model_and_prompts
 from loorl.algo.logprobs import completion_logits, completion_logprobs, token_logprobs
 from loorl.cli.train import train, trainer_precision
 from loorl.models.tiny import ensure_tiny_model
@@ -141,7 +140,7 @@ def test_one_ddp_step_in_one_process_on_cuda(model_cache, tmp_path):
            "trainer.devices=1", "rl.steps=1", "val_every=1", "checkpoint_every=1", "export_policy=false",
            f"model.cache_dir={model_cache}", f"hydra.run.dir={run}",
            "trainer.enable_progress_bar=false"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "TOKENIZERS_PARALLELISM": "false"}
+    env = child_env(TOKENIZERS_PARALLELISM="false")
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads((run / "metrics.json").read_text())["summary"]
@@ -202,3 +201,56 @@ def test_the_compiled_decode_loop_draws_the_same_tokens_faster(tiny_cuda):
     reference, fast = eager.generate(rows, n=1, greedy=True), compiled.generate(rows, n=1, greedy=True)
     assert [g[0].token_ids for g in reference] == [g[0].token_ids for g in fast]
     assert seconds(compiled) * 2 <= seconds(eager)
+
+
+# ---- log-probs from the hidden states in chunks, and packed micro-batches, on CUDA ----------------
+@pytest.mark.parametrize("autocast", [False, True])
+def test_the_chunked_head_on_cuda_equals_the_plain_path_and_holds_a_chunk(autocast):
+    """tests/test_head_logprobs.py's checks on CUDA (the weight's gradient summed as [V, H] there):
+    values and gradients against the whole logits, float32 and under bf16 autocast; and the extra
+    peak of a 4 x 512 pass over Qwen2.5's 151,936-entry vocabulary, from CUDA's allocator, stays under
+    2 chunks of float32 logits beyond the weight-sized gradient (the whole logits: 1.2 GiB)."""
+    from loorl.algo.head_logprobs import head_logprobs
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    v, h, chunk = 151_936, 64, 256
+    hidden = torch.randn(4 * 512, h, device="cuda", generator=gen).requires_grad_()  # [T, H]
+    weight = (torch.randn(v, h, device="cuda", generator=gen) * 0.1).requires_grad_()  # [V, H]
+    tokens = torch.randint(v, (4 * 512,), device="cuda", generator=gen)  # [T]
+    upstream = torch.randn(tokens.shape, device="cuda", generator=gen)  # [T]
+    tol = {"rtol": 2e-2, "atol": 2e-2} if autocast else {"rtol": 1e-4, "atol": 1e-5}
+
+    def run(chunked: bool):
+        hidden.grad = weight.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            if chunked:
+                logp = head_logprobs(hidden, weight, tokens, temperature=0.7, chunk_tokens=chunk)[0]
+            else:
+                logp = token_logprobs(torch.nn.functional.linear(hidden, weight), tokens, temperature=0.7)
+        (logp * upstream).sum().backward()
+        return logp.detach().float(), hidden.grad.clone(), weight.grad.clone()
+
+    want = run(chunked=False)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() + sum(w.numel() * w.element_size() for w in want)
+    got = run(chunked=True)
+    extra = torch.cuda.max_memory_allocated() - base - weight.numel() * 4  # beyond the weight's gradient
+    for name, g, w in zip(("logp", "d/dhidden", "d/dweight"), got, want):
+        torch.testing.assert_close(g, w, **tol, msg=name)
+    assert extra < 2 * chunk * v * 4, f"{extra / 2**20:.0f} MiB beyond the weight-sized gradient"
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_a_packed_pass_on_cuda_scores_what_the_padded_pass_scores(tiny_cuda, share):
+    """tests/test_packing.py's check on CUDA with sdpa: packed micro-batches (block-diagonal mask,
+    positions per sequence) give the padded batch's log-probs at every token budget."""
+    _, model, _ = tiny_cuda
+    batch = _batch(tiny_cuda)
+    mask = batch.completion_mask.bool()
+    with torch.no_grad():
+        padded = completion_logprobs(model, batch, sampling=SAMPLING)  # [N, C]
+        for budget in (10, 64, 10_000):
+            packed = completion_logprobs(model, batch, sampling=SAMPLING, share_prompt=share,
+                                         microbatch_tokens=budget)  # fmt: skip
+            assert (packed[mask] - padded[mask]).abs().max() < TOLERANCE, budget

@@ -9,12 +9,13 @@ per rollout): three scoring passes. One whole-rollout pass holds 256 x 65 x 32k 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from fixtures import child_env
 
 BOUND_MIB = 800  # measured 512 MiB rise with 4-group passes (generation in 16-sequence batches included)
 WHOLE_ROLLOUT_LOGITS_MIB = 256 * 65 * 32_000 * 4 / 2**20  # 2031 MiB: a whole-batch pass exceeds the bound
@@ -22,8 +23,7 @@ WHOLE_ROLLOUT_LOGITS_MIB = 256 * 65 * 32_000 * 4 / 2**20  # 2031 MiB: a whole-ba
 
 def _peak_rise(cache: Path, groups_per_pass: int) -> float:
     probe = Path(__file__).with_name("memory_probe.py")
-    src = Path(__file__).resolve().parents[1] / "src"  # this checkout's code, installed or not
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
+    env = child_env()  # this checkout's code, installed or not
     # the CPU rollout's host memory: on a GPU node nothing may start CUDA in the probe (a CUDA context
     # maps hundreds of MB of driver and library pages into the process's resident memory)
     env["CUDA_VISIBLE_DEVICES"] = ""

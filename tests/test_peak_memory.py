@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from fixtures import child_env
 from loorl.training.callbacks import MEMORY_PHASES, phase_memory_table
 from loorl.util.peak_memory import peak_memory_gb
 from loorl.util.profiling import cuda_in_use
@@ -45,7 +45,7 @@ print(json.dumps(out))
 
 def _fresh(code: str) -> dict:
     """What `code` prints (JSON), run in a fresh interpreter on this checkout's source."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    env = child_env()
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout)

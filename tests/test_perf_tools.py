@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fixtures import child_env
 from loorl.util.profiling import PhaseClock
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,7 +69,7 @@ def test_keep_freed_memory_is_taken_by_glibc_and_the_process_runs_on():
         """
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")})  # fmt: skip
+                         env=child_env())  # fmt: skip
     assert out.stdout.split()[-1] == "ok"
 
 

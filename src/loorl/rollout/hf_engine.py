@@ -27,11 +27,14 @@ run sampling in the trainer (1e-6 in `train/sampler_logratio_max`, `tests/test_a
 breaks that run's bit-for-bit repeatability; the dynamic cache keeps it. On CUDA the loop also asks
 the device whether every row has ended only every `CUDA_CHECK_EVERY` tokens (each ask is a host
 sync); rows that ended meanwhile decode padding, so the samples do not change. The compiled path is
-checked here on CPU (same tokens as `dynamic`); its GPU speed is untested (no GPU was lent).
+checked here on CPU (same tokens as `dynamic`, one graph over rollouts of a shape). On an H200 it was
+slower than `dynamic` (SmolLM2: 163 against 659 tokens/s) because it compiled again every rollout and
+its CUDA graphs were skipped; `StaticCachePool` and `fill_repeated` mend both, untested on GPU since.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from contextlib import contextmanager
 
@@ -151,6 +154,7 @@ class HFEngine(RolloutEngine):
         self.model = None
         self.unsharded = False
         self._compiled_step = None  # torch.compile of `one_token_logits`, built at the first compiled call
+        self._caches = StaticCachePool() if decoding == "compiled" else None  # kept across calls
 
     def sync(self, weights: PolicyWeights, version: int | None = None, *, force: bool = False) -> None:
         """Point at the live policy (`weights.module`: sampling in place, no copy, the trainer's own
@@ -210,6 +214,7 @@ class HFEngine(RolloutEngine):
                     generator=generator,
                     cache="dynamic" if self.decoding == "dynamic" else "static",
                     step=self._step_function(),
+                    caches=self._caches,
                     check_every=CUDA_CHECK_EVERY if device.type == "cuda" else 1,
                 )  # [b, C], [b, C]
             for t, lp in zip(tokens.tolist(), logprobs.tolist()):
@@ -294,6 +299,7 @@ def decode(
     cache: str = "dynamic",
     step=one_token_logits,
     check_every: int = 1,
+    caches: StaticCachePool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Completions of left-padded prompts `ids`, `mask` [b, P]: tokens and their log-probs [b, C].
 
@@ -305,6 +311,7 @@ def decode(
     which share one prefill, `shared_prefill`) or static (preallocated; every row prefills). `step`:
     the one-token step (`one_token_logits`, or a compiled version of it). `check_every`: tokens between
     checks that every row has ended (each one a host sync on CUDA); the samples do not depend on it.
+    `caches`: where a static cache is taken from and kept for the next call (None: a new one).
     """
     from transformers import DynamicCache
 
@@ -318,9 +325,9 @@ def decode(
         length = static_cache_length(prompt_length, max_new_tokens, bucket=bucket)  # L
         full_mask = mask.new_zeros(b, length)  # [b, L] fixed shape: positions to come are 0
         full_mask[:, :prompt_length] = mask
-        kv = preallocated_cache(model.config, length)
+        kv = preallocated_cache(model.config, length) if caches is None else caches.take(model, b, length)
         if prefill_group > 1 and prompt_length > 1:  # each prompt's first P-1 tokens once, repeated
-            shared_prefill(model, ids[::prefill_group], mask[::prefill_group], prefill_group, cache=kv)
+            shared_prefill(model, ids[::prefill_group], mask[::prefill_group], prefill_group, into=kv)
             fresh = {"input_ids": ids[:, -1:], "position_ids": positions[:, -1:]}  # the last prompt token
         else:
             fresh = {"input_ids": ids, "position_ids": positions}
@@ -369,6 +376,33 @@ def decode(
     return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)  # [b, C], [b, C]
 
 
+class StaticCachePool:
+    """Preallocated caches kept between decoding calls, one per (rows, length, dtype), the `size`
+    most recently used: a compiled step replays its CUDA graph only over the cache tensors it was
+    captured with, so a cache made anew every rollout re-records the graph every rollout (and
+    after `cudagraph_unexpected_rerecord_limit` of them inductor stops using graphs for it).
+    A cache taken again is zeroed first. Held memory: up to `size` caches (SmolLM2, 64 rows of 128
+    positions in bf16: 0.19 GB each)."""
+
+    def __init__(self, size: int = 4):
+        self.size = size
+        self.caches: dict[tuple, object] = {}  # insertion order: least recently used first
+
+    def take(self, model, rows: int, length: int):
+        device = next(model.parameters()).device
+        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+        key = (rows, length, device, next(model.parameters()).dtype, dtype)
+        cache = self.caches.pop(key, None)
+        if cache is None:
+            cache = preallocated_cache(model.config, length)
+        else:
+            cache.reset()
+        self.caches[key] = cache
+        while len(self.caches) > self.size:
+            self.caches.pop(next(iter(self.caches)))
+        return cache
+
+
 def preallocated_cache(config, length: int):
     """transformers' `StaticCache` of `length` positions, each layer's values in their own dtype.
 
@@ -381,6 +415,22 @@ def preallocated_cache(config, length: int):
     from transformers import StaticCache
     from transformers.cache_utils import StaticLayer
 
+    layer_class = per_dtype_static_layer()
+    cache = StaticCache(config=config, max_cache_len=length)
+    cache.layers = [
+        layer_class(max_cache_len=layer.max_cache_len) if type(layer) is StaticLayer else layer
+        for layer in cache.layers
+    ]
+    return cache
+
+
+@functools.cache
+def per_dtype_static_layer() -> type:
+    """The cache layer of `preallocated_cache`, one class for the process: a compiled step guards
+    on its layers' type, and a class made anew for every cache made each rollout recompile (seen on
+    an H200: 6 s per SmolLM2 step, every one a compilation)."""
+    from transformers.cache_utils import StaticLayer
+
     class PerDtypeStaticLayer(StaticLayer):
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
             super().lazy_initialization(key_states, value_states)
@@ -388,24 +438,28 @@ def preallocated_cache(config, length: int):
                 self.values = torch.zeros_like(self.values, dtype=value_states.dtype)
                 torch._dynamo.mark_static_address(self.values)  # as StaticLayer marks its own
 
-        def batch_repeat_interleave(self, repeats: int) -> None:  # (only DynamicLayer has one)
-            if self.is_initialized:  # the shared prefill's g rows -> g * repeats, each whole length
-                self.keys = self.keys.repeat_interleave(repeats, dim=0)
-                self.values = self.values.repeat_interleave(repeats, dim=0)
-                self.batch_size *= repeats
+        def fill_repeated(self, source: StaticLayer, repeats: int) -> None:
+            """Each of `source`'s g rows written `repeats` times into this layer's g * repeats rows,
+            in place: a compiled step's CUDA graph reads the cache at the addresses it was captured
+            with (new tensors unmarked as static made inductor skip the graphs: "mutated inputs",
+            seen on an H200)."""
+            g, heads, _, k_dim = source.keys.shape
+            v_dim = source.values.shape[-1]
+            if not self.is_initialized:  # (reads only the shapes and dtypes: no copy of the prefill)
+                rows = g * repeats
+                self.lazy_initialization(source.keys.new_empty(rows, heads, 0, k_dim),
+                                         source.values.new_empty(rows, heads, 0, v_dim))  # fmt: skip
+            self.keys.view(g, repeats, *self.keys.shape[1:]).copy_(source.keys[:, None])  # [g, n, h, L, d]
+            self.values.view(g, repeats, *self.values.shape[1:]).copy_(source.values[:, None])
+            self.cumulative_length.copy_(source.cumulative_length)
 
-    cache = StaticCache(config=config, max_cache_len=length)
-    cache.layers = [
-        PerDtypeStaticLayer(max_cache_len=layer.max_cache_len) if type(layer) is StaticLayer else layer
-        for layer in cache.layers
-    ]
-    return cache
+    return PerDtypeStaticLayer
 
 
-def shared_prefill(model, ids: torch.Tensor, mask: torch.Tensor, n: int, cache=None):
+def shared_prefill(model, ids: torch.Tensor, mask: torch.Tensor, n: int, into=None):
     """The key/value cache of each prompt's first P-1 tokens, computed once and repeated n times.
-    `cache`: the cache to fill (a `preallocated_cache`, repeated over its whole length); None: a new
-    growing one.
+    `into`: a `preallocated_cache` of the g * n rows, filled in place (the prefill runs on a g-row
+    one of the same length); None: a new growing cache.
 
     `ids`, `mask` [g, P]: one left-padded row per prompt. `generate` given this cache for the n*g
     expanded rows runs only their last prompt token and then decodes; the samples are those of a
@@ -414,10 +468,17 @@ def shared_prefill(model, ids: torch.Tensor, mask: torch.Tensor, n: int, cache=N
     """
     from transformers import DynamicCache
 
-    cache = DynamicCache(config=model.config) if cache is None else cache
+    if into is None:
+        cache = DynamicCache(config=model.config)
+    else:
+        cache = preallocated_cache(model.config, into.layers[0].max_cache_len)
     head, head_mask = ids[:, :-1], mask[:, :-1]  # [g, P-1]
     positions = (head_mask.cumsum(-1) - 1).clamp(min=0)  # [g, P-1] left padding does not shift them
     model(input_ids=head, attention_mask=head_mask, position_ids=positions, past_key_values=cache,
           use_cache=True, logits_to_keep=1)  # fmt: skip
-    cache.batch_repeat_interleave(n)  # [g, ...] -> [g*n, ...]
-    return cache
+    if into is None:
+        cache.batch_repeat_interleave(n)  # [g, ...] -> [g*n, ...]
+        return cache
+    for target, source in zip(into.layers, cache.layers):
+        target.fill_repeated(source, n)
+    return into
