@@ -209,3 +209,50 @@ def test_each_job_logs_and_summarises_its_memory_by_phase(sweep):
     assert f"| backward | {summary['backward_peak_host_gb']:.3f} |" in text
     header = next(iter(csv.reader((run / "csv").rglob("metrics.csv").__next__().open())))
     assert "perf/backward_peak_host_gb" in header and "perf/gen_rise_host_gb" in header
+
+
+def test_the_export_starts_without_the_optimizer_state():
+    """`HFExport` empties the optimizers' state before `save_pretrained` (its AdamW moments are twice
+    the float32 weights, and the run is over): the moments are gone, the weights are untouched."""
+    from types import SimpleNamespace
+
+    from loorl.training.callbacks import drop_optimizer_state
+
+    layer = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=0.1)
+    layer(torch.randn(4, 64)).sum().backward()
+    optimizer.step()
+    weights = layer.weight.detach().clone()
+    assert sum(s["exp_avg"].numel() + s["exp_avg_sq"].numel() for s in optimizer.state.values()) == 2 * (
+        64 * 64 + 64
+    )
+    drop_optimizer_state(SimpleNamespace(optimizers=[optimizer]))
+    assert len(optimizer.state) == 0
+    assert torch.equal(layer.weight, weights)
+
+
+CHECKPOINT_PROBE = """
+import json, os, tempfile
+import torch
+from loorl.training.checkpoints import AtomicCheckpointIO
+from loorl.util.peak_memory import host_peak_bytes, reset_peak_memory
+
+state = {"state_dict": {"w": torch.ones(50_000_000)}, "optimizer_states": []}  # 200 MB of tensors
+path = os.path.join(tempfile.mkdtemp(), "last.ckpt")
+reset_peak_memory()
+before = host_peak_bytes()
+AtomicCheckpointIO().save_checkpoint(state, path)
+print(json.dumps({"rise": host_peak_bytes() - before, "size": os.path.getsize(path),
+                  "loads": bool(torch.equal(torch.load(path)["state_dict"]["w"], state["state_dict"]["w"]))}))
+"""
+
+
+@LINUX_ONLY
+def test_writing_a_checkpoint_holds_no_copy_of_it_in_memory():
+    """The checkpoint is streamed to its file: the resident set rises by a fraction of its size, where
+    Lightning's `_atomic_save` held it twice in memory (an in-memory buffer, then a copy of it)."""
+    out = _fresh(CHECKPOINT_PROBE)
+    assert out["loads"] and out["size"] > 199e6
+    assert out["rise"] < 0.25 * out["size"], (
+        f"{out['rise'] / 1e6:.0f} MB for a {out['size'] / 1e6:.0f} MB file"
+    )

@@ -5,6 +5,7 @@ sits with the checkpoints, `loorl.training.checkpoints`.)"""
 from __future__ import annotations
 
 import csv
+import gc
 import json
 import logging
 import math
@@ -303,6 +304,16 @@ class SampleLog(L.Callback):
                 logger.log_table(key="samples", columns=list(self.COLUMNS), data=table)
 
 
+def drop_optimizer_state(trainer) -> None:
+    """The optimizers' state emptied once training is over (its checkpoints are written by then): the
+    export's copies then reuse that memory instead of adding to it. AdamW keeps two float32 moments per
+    weight: 1.08 GB for SmolLM2, next to its 0.54 GB of weights (a 3-step SmolLM2 run's resident set
+    peaked in `save_pretrained`)."""
+    for optimizer in trainer.optimizers:
+        optimizer.state.clear()
+    gc.collect()
+
+
 class HFExport(L.Callback):
     """Saves the trained policy and its tokenizer with `save_pretrained` at the end of `fit`: one full
     model, written by rank 0 (under FSDP every rank takes part in gathering it first). A LoRA policy
@@ -315,6 +326,7 @@ class HFExport(L.Callback):
         self.tokenizer = tokenizer
 
     def on_fit_end(self, trainer, pl_module) -> None:
+        drop_optimizer_state(trainer)
         policy = pl_module.policy
         state = full_state_dict(policy) if is_sharded(policy) else None  # collective under FSDP
         if not trainer.is_global_zero:

@@ -44,15 +44,22 @@ IDENTITY_KEY = "loorl"  # where a checkpoint keeps the identity of the run that 
 
 # ---- writing -------------------------------------------------------------------------------------
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning's torch.save checkpoint IO, written to a temporary file and renamed into place."""
+    """Lightning's torch.save checkpoint IO, streamed to a temporary file and renamed into place.
+
+    By hand rather than `TorchCheckpointIO.save_checkpoint`: Lightning's `_atomic_save` serializes the
+    whole checkpoint into an in-memory buffer and then copies it once more to write it, twice the
+    checkpoint's size in memory for a moment (SmolLM2 with AdamW, a 1.6 GB checkpoint: the run's peak
+    went from 3.8 to 5.2 GB while `last.ckpt` was written)."""
 
     def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+        if storage_options is not None:  # as Lightning's
+            raise TypeError(f"{type(self).__name__} takes no storage_options")
         target = Path(path)
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
         os.close(fd)
         try:
-            super().save_checkpoint(checkpoint, tmp, storage_options)
+            torch.save(checkpoint, tmp)  # streamed: the file, not memory, holds the serialized bytes
             os.replace(tmp, target)  # atomic on POSIX: readers see the old file or the new one
         finally:
             with contextlib.suppress(FileNotFoundError):
