@@ -379,8 +379,8 @@ def decode(
 class StaticCachePool:
     """Preallocated caches kept between decoding calls, one per (rows, length, dtype), the `size`
     most recently used: a compiled step replays its CUDA graph only over the cache tensors it was
-    captured with, so a cache made anew every rollout re-records the graph every rollout (and
-    after `cudagraph_unexpected_rerecord_limit` of them inductor stops using graphs for it).
+    captured with, so a cache made anew every rollout would have the graph re-recorded every rollout
+    (inferred from how CUDA-graph trees treat static inputs; not seen on a GPU).
     A cache taken again is zeroed first. Held memory: up to `size` caches (SmolLM2, 64 rows of 128
     positions in bf16: 0.19 GB each)."""
 
@@ -389,9 +389,10 @@ class StaticCachePool:
         self.caches: dict[tuple, object] = {}  # insertion order: least recently used first
 
     def take(self, model, rows: int, length: int):
-        device = next(model.parameters()).device
-        dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
-        key = (rows, length, device, next(model.parameters()).dtype, dtype)
+        weight = next(model.parameters())
+        autocast = torch.is_autocast_enabled(weight.device.type)
+        compute = torch.get_autocast_dtype(weight.device.type) if autocast else None
+        key = (rows, length, weight.device, weight.dtype, compute)
         cache = self.caches.pop(key, None)
         if cache is None:
             cache = preallocated_cache(model.config, length)
