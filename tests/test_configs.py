@@ -26,6 +26,7 @@ from loorl.settings import (
     AGGREGATIONS,
     DTYPES,
     ENGINES,
+    IS_MODES,
     KL_ESTIMATORS,
     LORA_DEFAULT_TARGETS,
     RATIO_LEVELS,
@@ -213,6 +214,30 @@ def test_rollout_vllm_and_auto_share_the_sampling_settings(default_cfg, option):
         assert r[key] == hf[key]
     assert r.vllm.tensor_parallel_size == 1 and 0 < r.vllm.gpu_memory_utilization <= 1
     assert default_cfg().rollout.engine == "auto"  # the default
+
+
+def test_the_every_step_learns_settings_compose_and_are_off_by_default(default_cfg):
+    """rl.dynamic_sampling, reward.overlong and loss.is_mode: off in the default run, and each one set
+    on the command line reaches the checked settings."""
+    off = check_config(default_cfg())
+    assert not off.rl.dynamic_sampling.enabled and off.rl.dynamic_sampling.max_rounds == 3
+    assert off.reward.overlong.buffer == 0 and off.loss.is_mode == "truncate"
+    s = check_config(
+        default_cfg(
+            "rl.dynamic_sampling.enabled=true",
+            "rl.dynamic_sampling.max_rounds=5",
+            "reward.overlong.buffer=4",
+            "reward.overlong.penalty=0.5",
+            "loss.is_mode=sequence_mask",
+            "loss.is_low=0.25",
+            "loss.is_high=3",
+        )  # fmt: skip
+    )
+    assert s.rl.dynamic_sampling.enabled and s.rl.dynamic_sampling.max_rounds == 5
+    assert (s.reward.overlong.buffer, s.reward.overlong.penalty) == (4, 0.5)
+    assert (s.loss.is_mode, s.loss.is_low, s.loss.is_high) == ("sequence_mask", 0.25, 3.0)
+    for reward in ("custom", "model"):  # any reward file keeps the overlong block
+        assert default_cfg(f"reward={reward}").reward.overlong.buffer == 0
 
 
 def test_tis_cap_comes_from_the_model_config(default_cfg):
@@ -421,7 +446,7 @@ def test_train_yaml_documented_keys_have_inline_comments():
                     missing.append(key)
             continue
         sub = re.match(r"^  (\w+):", line)
-        if sub and block in ("rl", "loss", "kl"):
+        if sub and block in ("rl", "loss", "kl", "reward"):
             checked += 1
             if "#" not in line:
                 missing.append(f"{block}.{sub.group(1)}")
@@ -444,6 +469,7 @@ def test_comments_list_the_real_choices():
     assert _comment_choices("agg:", lines) == set(AGGREGATIONS)
     assert _comment_choices("estimator: k1", lines) == set(KL_ESTIMATORS)
     assert _comment_choices("ratio_level:", lines) == set(RATIO_LEVELS)
+    assert _comment_choices("is_mode:", lines) == set(IS_MODES)
     rollout = (CONF_DIR / "rollout" / "hf.yaml").read_text().splitlines()
     assert _comment_choices("truncated:", rollout, after="limit:") == set(TRUNCATED_MODES)
     tiny = (CONF_DIR / "model" / "tiny.yaml").read_text().splitlines()

@@ -222,6 +222,20 @@ def test_cli_two_processes_train_resume_and_export(tmp_path, model_cache, single
     assert summary["rl_steps"] == 6 and summary["optimizer_steps"] == 6  # 4 restored + 2 trained
 
 
+@pytest.mark.slow
+def test_cli_two_processes_fill_every_rank_with_the_same_number_of_groups(tmp_path, model_cache):
+    """Dynamic sampling under DDP: the ranks run the same rounds (the stopping rule is reduced over
+    ranks, so their collectives meet), and every step trains B/W groups on each rank: the groups with
+    signal and the fillers add up to B, over the whole run."""
+    run = tmp_path / "run"
+    _cli(run, model_cache, "strategy=ddp", "rl.dynamic_sampling.enabled=true", "rl.steps=6", "val_every=6",
+         "checkpoint_every=0", "export_policy=false")  # fmt: skip
+    history = json.loads((run / "metrics.json").read_text())["history"]
+    signal, fillers = history["dynamic/groups_with_signal"], history["dynamic/filler_groups"]
+    assert len(signal) == 6 and all(s[1] + f[1] == 8 for s, f in zip(signal, fillers))  # B = 8
+    assert all(r[1] >= 1 for r in history["dynamic/rounds"])
+
+
 # FSDP's folders of shards go through the module's state_dict/load_state_dict too (DDP's one file is
 # tests/test_resume.py's); FSDP in the default suite, DDP on request
 @pytest.mark.parametrize("strategy", ["fsdp", pytest.param("ddp", marks=pytest.mark.slow)])

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fixtures import ON_CPU, assert_same_run, needs_vllm, needs_wandb
+from fixtures import ON_CPU, assert_same_run, metric_values, needs_vllm, needs_wandb
 from loorl.cli.train import train
 from loorl.errors import ConfigError
 from loorl.training.checkpoints import (
@@ -115,6 +115,26 @@ def test_a_killed_lora_run_resumes_to_the_same_run(tmp_path, model_cache):
     state = read_checkpoint(first)["state_dict"]
     assert state and all(".lora_" in k for k in state)  # no frozen base weight
     _run(_command(run, model_cache, *lora, "resume_from=auto"))
+    assert_same_run(straight, run)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [(), pytest.param(("rollout.async_steps=1", "rollout.devices=trainer"), marks=pytest.mark.slow)],
+    ids=["synchronous", "one-step-off"],
+)
+def test_a_killed_run_with_dynamic_sampling_resumes_to_the_same_run(tmp_path, model_cache, overrides):
+    """Dynamic sampling's rounds (their prompts, samples and counts) after a kill -9 are those of the
+    run never stopped: every `dynamic/` metric and the rest, exactly. One step off, the rollout sampled
+    ahead is checkpointed before its further rounds, which the resumed step draws with its weights."""
+    ds = ("rl.dynamic_sampling.enabled=true", "rl.steps=12", "checkpoint_every=4", "val_every=6", *overrides)
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    _run(_command(straight, model_cache, *ds))
+    assert any(key == "dynamic/rounds" for key, _ in metric_values(straight))
+    killed = _start_and_signal(_command(run, model_cache, *ds), run / "checkpoints" / "epoch=7-step=8.ckpt",
+                               signal.SIGKILL)  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL
+    _run(_command(run, model_cache, *ds, "resume_from=auto"))
     assert_same_run(straight, run)
 
 

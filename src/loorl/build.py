@@ -99,6 +99,8 @@ def build_datamodule(
         rewards=build_composer(s.reward, task),
         seed=s.run.seed,
         pass_k=s.run.val_pass_k,
+        estimator=s.estimator.function,  # dynamic sampling's judge of which groups have signal
+        overlong=s.reward.overlong,
         **evaluation,
     )
 

@@ -136,6 +136,12 @@ def check_config(cfg: DictConfig) -> Settings:
             f"rl.samples_per_prompt={k} is too small for estimator={s.estimator.label}: its baseline needs "
             f"K >= {k_min} samples per prompt; set rl.samples_per_prompt={k_min} or more"
         )
+    buffer, limit = s.reward.overlong.buffer, s.rollout.max_new_tokens
+    if buffer > limit:
+        raise ConfigError(
+            f"reward.overlong.buffer={buffer} is longer than rollout.max_new_tokens={limit}: the penalty "
+            f"ramps over the last `buffer` tokens of the limit; set reward.overlong.buffer={limit} or less"
+        )
     check_optimizer(cfg.optimizer)
     check_rewards(cfg)
     check_model_reachable(s.model)

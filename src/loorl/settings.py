@@ -21,8 +21,9 @@ from loorl.algo.kl import KLEstimator, check_kl_placement
 from loorl.algo.objectives import (
     AGGREGATIONS as AGGREGATIONS,  # re-exported: every setting's choices in one place
 )
+from loorl.algo.objectives import IS_MODES as IS_MODES
 from loorl.algo.objectives import RATIO_LEVELS as RATIO_LEVELS
-from loorl.algo.objectives import Aggregation, RatioLevel, token_loss_of
+from loorl.algo.objectives import Aggregation, ISMode, RatioLevel, token_loss_of
 from loorl.errors import ConfigError
 from loorl.types import SamplingConfig
 from loorl.util.plugins import import_object
@@ -93,6 +94,21 @@ class RunSettings(Section):
 
 
 @dataclass(frozen=True, config=SCHEMA)
+class DynamicSamplingSettings(Section):
+    """`rl.dynamic_sampling`: DAPO's dynamic sampling with whole groups (`loorl.rollout.dynamic_sampling`)."""
+
+    enabled: bool = False  # groups without a reward spread are set aside and more prompts are sampled
+    max_rounds: int = 3  # sampling rounds per step at most, the first included
+
+    def __post_init__(self) -> None:
+        if self.max_rounds < 1:
+            raise ConfigError(
+                f"rl.dynamic_sampling.max_rounds={self.max_rounds}: a step samples at least once; set it to "
+                "1 or more (1: no further rounds; 3-5 is usual)"
+            )
+
+
+@dataclass(frozen=True, config=SCHEMA)
 class RLSettings(Section):
     """`rl`: the shape of one RL iteration."""
 
@@ -106,6 +122,7 @@ class RLSettings(Section):
     skip_zero_advantage: bool = True  # groups whose advantages are all 0 skip the training passes
     microbatch_tokens: PositiveInt | None = None  # packed micro-batches of at most this many real tokens
     logprob_chunk_tokens: PositiveInt = 512  # token positions per chunk of output-layer logits
+    dynamic_sampling: DynamicSamplingSettings = DynamicSamplingSettings()  # off: one round per step
 
     def __post_init__(self) -> None:
         if self.prompts_per_step % self.prompts_per_minibatch:
@@ -161,10 +178,23 @@ class LossSettings(Section):
     ratio_level: RatioLevel = "token"
     max_grad_norm: PositiveFloat | None = 1.0  # None: no clipping
     tis_cap: PositiveFloat | None = None  # truncated importance-sampling cap; None: off
+    is_mode: ISMode = "truncate"  # truncate (tis_cap) | token_mask | sequence_mask (loorl.algo.objectives)
+    is_low: NonNegativeFloat = 0.5  # the masks: a token (sequence) whose sampler ratio is below this, or
+    is_high: PositiveFloat = 2.0  # above this, carries no loss
     max_len: PositiveInt = 16  # seq-mean-token-sum-norm's constant (the generation limit)
 
     def __post_init__(self) -> None:
         token_loss_of(self.name, self.target)  # an unknown name or a bad `_target_`: one line now
+        if self.is_mode != "truncate" and self.is_low >= self.is_high:
+            raise ConfigError(
+                f"loss.is_low={self.is_low} >= loss.is_high={self.is_high} with loss.is_mode={self.is_mode}: "
+                "every token would be masked; set is_low below is_high (e.g. 0.5 and 2.0)"
+            )
+        if self.is_mode != "truncate" and self.tis_cap is not None:
+            raise ConfigError(
+                f"loss.is_mode={self.is_mode} with loss.tis_cap={self.tis_cap}: the mask replaces truncated "
+                "importance weights, it does not add to them; set loss.tis_cap=null, or loss.is_mode=truncate"
+            )
         if self.ratio_level == "sequence" and self.agg != "seq-mean-token-mean":
             raise ConfigError(
                 f"loss.ratio_level=sequence (GSPO) with loss.agg={self.agg}: GSPO's sequence ratio averages "
@@ -404,11 +434,20 @@ class RewardFunctionSettings(Section):
 
 
 @dataclass(frozen=True, config=SCHEMA)
+class OverlongSettings(Section):
+    """`reward.overlong`: DAPO's soft overlong punishment (`loorl.rewards.shaping.overlong_penalty`)."""
+
+    buffer: NonNegativeInt = 0  # the last `buffer` tokens before rollout.max_new_tokens are penalised; 0: off
+    penalty: NonNegativeFloat = 1.0  # the penalty at the limit (linear from 0 over the buffer)
+
+
+@dataclass(frozen=True, config=SCHEMA)
 class RewardSettings(Section):
     """`reward`: the weighted reward functions and the clip of their sum (`loorl.rewards`)."""
 
     functions: dict[str, RewardFunctionSettings]
     clip: tuple[float, float] | None = None  # [low, high]; None: no clipping
+    overlong: OverlongSettings = OverlongSettings()  # added after the clip, before the estimator
 
 
 EvalSplit = Literal["eval", "train"]

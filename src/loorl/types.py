@@ -66,6 +66,8 @@ class RolloutBatch:
     advantages: torch.Tensor | None = None  # [N] filled in by the learner (module.prepare)
     ref_logprobs: torch.Tensor | None = None  # [N, C] when a reference model is loaded
     old_logprobs: torch.Tensor | None = None  # [N, C] when the importance ratio can differ from 1
+    correct: torch.Tensor | None = None  # [N] the verifier's verdict (1, 0, NaN: none): what dynamic
+    # sampling's set-aside groups were (all right, all wrong)
 
     @property
     def num_groups(self) -> int:

@@ -8,6 +8,7 @@ and never reach a loss, because they are dropped with `torch.where`, not multipl
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Literal, get_args
@@ -26,7 +27,8 @@ if TYPE_CHECKING:  # the settings layer sits above this one: it checks names aga
 
 Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 RatioLevel = Literal["token", "sequence"]
-AGGREGATIONS, RATIO_LEVELS = get_args(Aggregation), get_args(RatioLevel)
+ISMode = Literal["truncate", "token_mask", "sequence_mask"]  # `loss.is_mode`: how the sampler ratio corrects
+AGGREGATIONS, RATIO_LEVELS, IS_MODES = get_args(Aggregation), get_args(RatioLevel), get_args(ISMode)
 
 
 # ---- policy losses -----------------------------------------------------------------------------
@@ -71,6 +73,28 @@ def clipped_surrogate_token_loss(
     loss = torch.maximum(unclipped, clipped_loss)  # [N, T]
     clipped = (clipped_loss > unclipped) & valid  # [N, T]
     return loss, clipped
+
+
+def sampler_ratio_mask(
+    log_ratio: torch.Tensor, mask: torch.Tensor, *, mode: str, low: float, high: float
+) -> torch.Tensor:
+    """Which real tokens [N, T] keep their loss under masked importance sampling (`loss.is_mode`).
+
+    `log_ratio` [N, T]: log pi_train - log pi_sampler per token (0 outside `mask`). token_mask: a token
+    whose ratio lies outside [low, high] is dropped (IcePop). sequence_mask: a whole sequence is
+    dropped when the geometric mean of its token ratios, exp(mean_t log_ratio), lies outside (TRL's
+    `vllm_importance_sampling_mode=sequence_mask`). Compared in log space: a ratio of 1e30 must not
+    overflow into inf before the comparison."""
+    valid = mask.bool()  # [N, T]
+    lo = math.log(low) if low > 0 else -math.inf
+    hi = math.log(high)
+    if mode == "token_mask":
+        level = log_ratio  # [N, T]
+    elif mode == "sequence_mask":
+        level = masked_mean(log_ratio, valid, -1, keepdim=True).expand_as(log_ratio)  # [N, T]
+    else:
+        raise ConfigError(f"loss.is_mode={mode!r} is not a mask; choose one of: {', '.join(IS_MODES[1:])}")
+    return valid & (level >= lo) & (level <= hi)  # [N, T]
 
 
 # ---- the registry of per-token policy losses ---------------------------------------------------
@@ -197,6 +221,7 @@ class LossStats:
     log_ratio: float = 0.0  # log pi_train - log pi_sampler (the sampler/trainer mismatch)
     log_ratio_max: float = 0.0  # the largest |log ratio| (a maximum, not a sum)
     tis_weight: float | None = None  # with truncated importance sampling
+    is_masked: float | None = None  # with masked importance sampling: real tokens whose loss was dropped
     ratio: float | None = None  # off-policy: sum of pi_train / pi_old over tokens (old: the behaviour policy)
     ratio_sq: float | None = None  # and of its square (the ratio's spread)
     kl: float | None = None  # with a KL loss term
@@ -215,7 +240,8 @@ class LossStats:
         normalised by the global counts, so the losses add up to the global loss), the maximum of
         `log_ratio_max`; `steps` and `grad_norm` are the same on every rank (the gradient is
         all-reduced before it is clipped) and stay as they are."""
-        names = ("loss", "tokens", "entropy", "clipped", "log_ratio", "tis_weight", "ratio", "ratio_sq", "kl")
+        names = ("loss", "tokens", "entropy", "clipped", "log_ratio", "tis_weight", "is_masked", "ratio",
+                 "ratio_sq", "kl")  # fmt: skip
         summed = [f for f in names if getattr(self, f) is not None]
         totals = all_reduce([getattr(self, f) for f in summed]).tolist()
         return replace(
@@ -235,6 +261,8 @@ class LossStats:
         }
         if self.tis_weight is not None:
             metrics["train/tis_weight_mean"] = self.tis_weight / tokens
+        if self.is_masked is not None:
+            metrics["train/is_masked_frac"] = self.is_masked / tokens  # of the trained tokens
         if self.ratio is not None:  # off-policy: the importance ratio's mean and spread over tokens
             mean = self.ratio / tokens
             metrics["train/ratio_mean"] = mean
@@ -264,7 +292,10 @@ def policy_loss(
     `auto` is REINFORCE when `batch.old_logprobs` is None, the clipped surrogate otherwise); tokens
     are weighted by the truncated importance weight min(pi_train / pi_sampler, tis_cap) when
     `settings.tis_cap` is set, a KL loss term `kl_coef * kl_t` is added when `kl_coef` is not None,
-    and the result is aggregated with the counts of the whole mini-batch (`num_tokens`, `num_seqs`),
+    tokens outside the sampler-ratio band carry no loss at all (policy and KL terms) under
+    `settings.is_mode` token_mask or sequence_mask (`sampler_ratio_mask`; the counts stay the whole
+    mini-batch's, as TRL's zero weights do, so the loss does not depend on the micro-batch), and the
+    result is aggregated with the counts of the whole mini-batch (`num_tokens`, `num_seqs`),
     so that the micro-batch losses add up to the mini-batch loss.
     """
     mask = batch.completion_mask  # [n, C]
@@ -291,6 +322,12 @@ def policy_loss(
         kl_tok = kl_per_token(logprobs, batch.ref_logprobs, estimator=kl_estimator)  # [n, C]
         tok_loss = tok_loss + kl_coef * kl_tok  # [n, C]
         stats.kl = float((kl_tok.detach() * mask).sum())
+    if settings.is_mode != "truncate":
+        band = {"low": settings.is_low, "high": settings.is_high}
+        keep = sampler_ratio_mask(log_ratio, mask, mode=settings.is_mode, **band)  # [n, C]
+        tok_loss = torch.where(keep, tok_loss, 0.0)  # [n, C] dropped, not multiplied: a dropped token's
+        # loss (an inf ratio's) never reaches the sum, and its gradient is exactly 0
+        stats.is_masked = float((mask.bool() & ~keep).sum())
     loss = aggregate(
         tok_loss, mask, mode=settings.agg, num_tokens=num_tokens, num_seqs=num_seqs, max_len=settings.max_len
     )

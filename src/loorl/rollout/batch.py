@@ -3,6 +3,8 @@ together)."""
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import torch
 
 from loorl.types import Completion, RolloutBatch
@@ -17,6 +19,7 @@ def assemble(
     rewards: torch.Tensor,
     advantages: torch.Tensor | None = None,
     loss_on_truncated: bool = True,
+    correct: torch.Tensor | None = None,
 ) -> RolloutBatch:
     """Pad prompts (left) and completions (right) into one tensor per field.
 
@@ -38,4 +41,34 @@ def assemble(
         advantages=None if advantages is None else advantages.reshape(-1).float(),
         samples_per_prompt=k,
         prompt_len=prompts.shape[1],
+        correct=None if correct is None else correct.reshape(-1).float(),
     )
+
+
+def concatenate(batches: list[RolloutBatch], *, pad_token_id: int) -> RolloutBatch:
+    """Batches of whole groups (one step's sampling rounds) as one, as `assemble` would have padded
+    their groups together: prompts left-padded to the longest prompt part, completions right-padded
+    to the longest completion part. Per-token fields [N, C] are padded with 0."""
+    if len(batches) == 1:
+        return batches[0]
+    p_len = max(b.prompt_len for b in batches)
+    c_len = max(b.input_ids.shape[1] - b.prompt_len for b in batches)
+    k = batches[0].samples_per_prompt
+
+    def widen(b: RolloutBatch, name: str) -> torch.Tensor | None:
+        v = getattr(b, name)
+        if v is None or v.dim() == 1:  # [N] per-row fields (rewards, correct, advantages)
+            return v
+        value = pad_token_id if name == "input_ids" else 0
+        c_pad = c_len - (b.input_ids.shape[1] - b.prompt_len)
+        if name in ("input_ids", "attention_mask"):  # [N, P + C]: prompt part left, completion part right
+            return torch.nn.functional.pad(v, (p_len - b.prompt_len, c_pad), value=value)
+        return torch.nn.functional.pad(v, (0, c_pad), value=value)  # [N, C]
+
+    values = {}
+    for f in fields(RolloutBatch):
+        if f.name in ("samples_per_prompt", "prompt_len"):
+            continue
+        parts = [widen(b, f.name) for b in batches]
+        values[f.name] = None if any(v is None for v in parts) else torch.cat(parts)
+    return RolloutBatch(**values, samples_per_prompt=k, prompt_len=p_len)

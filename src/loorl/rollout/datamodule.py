@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import zlib
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import lightning as L
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from loorl.algo import estimators
+from loorl.algo.estimators import Estimator
 from loorl.algo.masked import masked_std
 from loorl.algo.sample_metrics import maj_at_k, pass_at_k
 from loorl.errors import ConfigError
@@ -36,9 +38,11 @@ from loorl.parallel.distributed import (
     rank_block,
 )
 from loorl.rewards import TASK_VERIFIER, Graded, RewardComposer, WeightedReward, correctness
-from loorl.rollout.batch import assemble
+from loorl.rewards.shaping import overlong_penalty
+from loorl.rollout.batch import assemble, concatenate
+from loorl.rollout.dynamic_sampling import Choice, SetAside, choose_groups, groups_with_signal
 from loorl.rollout.engine import RolloutEngine
-from loorl.settings import RLSettings, RolloutSettings
+from loorl.settings import OverlongSettings, RLSettings, RolloutSettings
 from loorl.tasks.base import Task
 from loorl.types import Completion, Prompt, Rollout, RolloutBatch
 from loorl.util.profiling import PhaseClock
@@ -147,6 +151,8 @@ class RolloutDataModule(L.LightningDataModule):
         eval_samples: int | None = None,  # n >= pass_k samples per prompt for them; None: pass_k
         eval_split: str = "eval",  # eval: the task's held-out set | train: drawn training prompts
         eval_limit: int | None = None,  # at most this many validation prompts (split=train needs it)
+        estimator: Estimator | None = None,  # dynamic sampling asks it which groups have signal; None: rloo
+        overlong: OverlongSettings | None = None,  # reward.overlong; None: no overlong penalty
     ) -> None:
         super().__init__()
         self.task, self.tokenizer, self.engine = task, tokenizer, engine
@@ -158,6 +164,8 @@ class RolloutDataModule(L.LightningDataModule):
             )
         self.eval_split, self.eval_limit = eval_split, eval_limit
         self.rewards = rewards or RewardComposer([WeightedReward("task", TASK_VERIFIER)], task=task)
+        self.estimator = estimator or estimators.get("rloo")
+        self.overlong = overlong or OverlongSettings()
         # one step off: the next step's rollout, sampled ahead (Submitted while the engine samples it)
         self.pending: dict[int, Rollout | Submitted] = {}
 
@@ -175,11 +183,12 @@ class RolloutDataModule(L.LightningDataModule):
     def sampler_seed(self, *phase: str | int) -> int:
         return sampler_seed(self.seed, *phase, rank=rank_and_world()[0])
 
-    def prompts_for_step(self, step: int) -> list[Prompt]:
+    def prompts_for_step(self, step: int, round: int = 0) -> list[Prompt]:
         """This rank's prompts of the step, a pure function of (seed, step): a resumed run draws the
         same ones. The step draws B prompts; each of the W ranks takes its block of B/W (together
-        they are the B prompts of one process, no prompt twice, none left out)."""
-        prompts = self.task.prompts_for_step(step, self.rl.prompts_per_step, seed=self.seed)
+        they are the B prompts of one process, no prompt twice, none left out). `round` > 0: a further
+        round of dynamic sampling, B more prompts, a pure function of (seed, step, round)."""
+        prompts = self.task.prompts_for_round(step, round, self.rl.prompts_per_step, seed=self.seed)
         return [prompts[i] for i in rank_block(len(prompts), *rank_and_world())]
 
     def held_out_prompts(self) -> list[Prompt]:
@@ -221,15 +230,90 @@ class RolloutDataModule(L.LightningDataModule):
         step before: the result does not depend on timing. The first step has nothing older and
         samples its own (lag 0)."""
         if not self.settings.async_steps:
-            return self._sample(step)
+            return self.fill(self._sample(step))
         current = self.pending.pop(step, None)
         if current is None:  # the first step (or a resume without a rollout ahead): its own, lag 0, sampled
             current = self._sample(step, policy_version=step)  # here while a sampler process starts up
         elif isinstance(current, Submitted):
             current = self._receive(current)
+        current = self.fill(current)  # further rounds with this step's weights, before the next is asked for
         if step + 1 < self.rl.steps:
             self.pending[step + 1] = self._submit(step + 1, policy_version=step)
         return current
+
+    def fill(self, first: Rollout) -> Rollout:
+        """Dynamic sampling (`rl.dynamic_sampling`; the rollout itself when off): groups of `first` (the
+        step's round 0) whose advantages would all be 0 are set aside, and further rounds of B prompts,
+        K samples each from one generation call, are drawn with the engine's current weights until this
+        step holds B groups with signal on every rank, or `max_rounds` rounds have run. The step then
+        trains on B/W groups per rank: those with signal, and set-aside ones where too few had
+        (`choose_groups`). The filter looks at the reward the estimator sees before any KL term
+        (the task's, with `reward.overlong`): a KL-shaped reward almost always has a spread.
+
+        One step off, round 0 was sampled a step behind (its lag is the rollout's) and the further
+        rounds with this step's weights: the sampler's log-probs are each sample's own, so the
+        importance ratio of every row is right. Rounds are a pure function of (seed, step, round) and
+        the weights: a resumed run draws the same ones."""
+        ds = self.rl.dynamic_sampling
+        if not ds.enabled:
+            return first
+        step, quota = first.step, first.batch.num_groups
+        rounds, signal = [first], [self._signal(first.batch)]
+
+        def missing() -> float:  # groups with signal still lacking, on the rank that lacks the most
+            return float(all_reduce(max(quota - sum(int(f.sum()) for f in signal), 0), "max"))
+
+        while len(rounds) < ds.max_rounds and missing() > 0:
+            r = len(rounds)
+            prompts = self.prompts_for_step(step, r)
+            rounds.append(self.rollout(prompts, seed=self.sampler_seed("rollout", step, r), step=step))
+            signal.append(self._signal(rounds[-1].batch))
+        self.engine.sleep()  # the rounds are over (grade leaves the engine awake under dynamic sampling)
+        choice = choose_groups(signal, quota)
+        pieces = [rounds[r].batch.select_groups([g]) for r, g in choice.trained]
+        batch = concatenate(pieces, pad_token_id=self.tokenizer.pad_token_id)
+        aside = sum(
+            (SetAside.of(self._correct(rounds[r].batch)[~flags]) for r, flags in enumerate(signal)),
+            start=SetAside(),
+        )
+        return replace(first, batch=batch, stats=self.round_stats(rounds, choice, aside))
+
+    def _signal(self, batch: RolloutBatch) -> torch.Tensor:
+        """[B] which groups of a round's batch have signal under the run's estimator."""
+        return groups_with_signal(batch.rewards.view(-1, batch.samples_per_prompt), self.estimator)
+
+    @staticmethod
+    def _correct(batch: RolloutBatch) -> torch.Tensor:
+        """[B, K] the verdicts; all NaN (counted as `other`) for a rollout checkpointed without them."""
+        if batch.correct is None:
+            return torch.full_like(batch.rewards, torch.nan).view(-1, batch.samples_per_prompt)
+        return batch.correct.view(-1, batch.samples_per_prompt)
+
+    def round_stats(self, rounds: list[Rollout], choice: Choice, aside: SetAside) -> dict[str, float]:
+        """The step's statistics under dynamic sampling: round 0's rollout statistics (the policy on a
+        fresh draw of prompts, as without it), the generation totals of every round, and the rounds'
+        own counts, summed over ranks."""
+        stats = dict(rounds[0].stats)
+        totals = ("rollout/gen_tokens", "perf/gen_seconds", "perf/grade_seconds", "perf/sampler_gen_seconds")
+        for key in totals:
+            if key in stats:
+                stats[key] = sum(r.stats.get(key, 0.0) for r in rounds)
+        stats["perf/gen_tokens_per_s"] = stats["rollout/gen_tokens"] / max(stats["perf/gen_seconds"], 1e-9)
+        mine = [len(choice.trained) - choice.fillers, choice.fillers, choice.surplus]
+        counts = all_reduce(mine + [aside.all_right, aside.all_wrong, aside.other]).tolist()  # all ranks
+        signal, fillers, surplus, right, wrong, other = counts
+        stats |= {
+            "dynamic/rounds": float(len(rounds)),
+            "dynamic/prompts_drawn": float(len(rounds) * self.rl.prompts_per_step),
+            "dynamic/groups_with_signal": signal,  # trained
+            "dynamic/filler_groups": fillers,  # trained without signal: the rounds ran out
+            "dynamic/surplus_groups": surplus,  # with signal, not trained: the last round brought more
+            "dynamic/set_aside_all_right": right,
+            "dynamic/set_aside_all_wrong": wrong,
+            "dynamic/set_aside_other": other,
+            "dynamic/gen_tokens_per_trained_group": stats["rollout/gen_tokens"] / max(signal, 1.0),
+        }
+        return stats
 
     def _sample(self, step: int, *, policy_version: int | None = None) -> Rollout:
         """Step `step`'s prompts, K completions each from the engine's current weights, their grades;
@@ -308,23 +392,31 @@ class RolloutDataModule(L.LightningDataModule):
               gen_seconds: float, step: int) -> Rollout:  # fmt: skip
         """The completions [B][K] of `prompts` graded and assembled into the step's rollout."""
         clock = PhaseClock()
-        self.engine.sleep()
+        if not self.rl.dynamic_sampling.enabled:  # else `fill` puts it to sleep once the rounds are over
+            self.engine.sleep()
         with clock.phase("grade"):
             graded = self.rewards(prompts, self.detokenize(groups))  # [B, K] rewards and correctness
         rewards = graded.rewards  # [B, K]
         finished = torch.tensor([[c.finished for c in g] for g in groups])  # [B, K]
         if self.settings.truncated == "zero":
             rewards = torch.where(finished | rewards.isnan(), rewards, torch.zeros_like(rewards))
+        lengths = torch.tensor([[len(c.token_ids) for c in g] for g in groups], dtype=torch.float)  # [B, K]
+        overlong = {"max_len": self.settings.max_new_tokens, "buffer": self.overlong.buffer,
+                    "penalty": self.overlong.penalty}  # fmt: skip
+        if self.overlong.buffer:
+            rewards = rewards + overlong_penalty(lengths, **overlong)  # [B, K] NaN stays NaN
         batch = assemble(
             prompt_ids,
             groups,
             pad_token_id=self.tokenizer.pad_token_id,
             rewards=rewards,
             loss_on_truncated=self.settings.truncated != "mask",
+            correct=graded.correct,
         )
-        lengths = torch.tensor([[len(c.token_ids) for c in g] for g in groups], dtype=torch.float)  # [B, K]
         everyone = gather_graded(graded, lengths, finished)  # the whole step's, over all ranks
         stats = rollout_stats(*everyone, gen_seconds=float(all_reduce(gen_seconds, "max")))
+        if self.overlong.buffer:  # the mean penalty over the step's samples (all ranks)
+            stats["rollout/overlong_penalty"] = float(overlong_penalty(everyone[1], **overlong).mean())
         stats |= self.source_stats(prompts, everyone[0])
         stats["perf/grade_seconds"] = clock.seconds["grade"]
         return Rollout(step=step, batch=batch, stats=stats)

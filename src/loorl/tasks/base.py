@@ -27,6 +27,15 @@ class Task(ABC):
         """The prompts of RL step `step`: a pure function of (seed, step), so a resumed run draws the same."""
         return self.train_prompts(n, rng=np.random.default_rng([seed, step]))
 
+    def prompts_for_round(self, step: int, round: int, n: int, *, seed: int) -> list[Prompt]:
+        """Round `round` of step `step` under dynamic sampling (`rl.dynamic_sampling`): round 0 is the
+        step's own prompts, each further round `n` prompts drawn at random, a pure function of (seed,
+        step, round), so a resumed run draws the same. (Not the next prompts of an epoch-ordered
+        task: those belong to later steps, whatever the filter did.)"""
+        if round == 0:
+            return self.prompts_for_step(step, n, seed=seed)
+        return self.train_prompts(n, rng=np.random.default_rng([seed, step, round]))
+
     @abstractmethod
     def eval_prompts(self) -> list[Prompt]:
         """The fixed held-out set for greedy accuracy."""

@@ -119,7 +119,7 @@ class RunSummary(L.Callback):
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         epoch_values = {}  # a metric logged on step and epoch appears as `x`, `x_step` and `x_epoch`
         for key, value in trainer.callback_metrics.items():
-            if key.startswith(("rollout/", "perf/", "train/")) and not key.endswith("_step"):
+            if key.startswith(("rollout/", "perf/", "train/", "dynamic/")) and not key.endswith("_step"):
                 epoch_values[key.removesuffix("_epoch")] = value
         for key, value in epoch_values.items():
             self._record(key, trainer.current_epoch, value)
@@ -152,6 +152,8 @@ class RunSummary(L.Callback):
         out["val_maj_at_k_start"] = maj_k[0] if maj_k else float("nan")
         out["val_maj_at_k_end"] = maj_k[-1] if maj_k else float("nan")
         out["gen_tokens"] = sum(self.series("rollout/gen_tokens"))
+        for key in ("rounds", "groups_with_signal", "filler_groups"):  # rl.dynamic_sampling: per-step means
+            out[f"dynamic_{key}_mean"] = _mean(self.series(f"dynamic/{key}"))
         out |= peak_memory_gb()  # this rank's (rank 0 writes the summary)
         for phase in ("step", *PHASES):  # medians: the first steps pay one-off costs (allocation, caches)
             values = self.series(f"perf/{phase}_seconds")
@@ -203,6 +205,11 @@ class RunSummary(L.Callback):
             ("training tokens/s", num(s["train_tokens_per_s"], ".0f")),
             ("peak memory", peak_memory_text(s["peak_host_gb"], s["peak_cuda_gb"])),
         ]
+        if not math.isnan(s["dynamic_rounds_mean"]):
+            rounds, signal = s["dynamic_rounds_mean"], s["dynamic_groups_with_signal_mean"]
+            value = f"{rounds:.2f} rounds; {signal:.1f} groups with signal, "
+            value += f"{s['dynamic_filler_groups_mean']:.1f} without (the rounds ran out)"
+            rows.append(("dynamic sampling (per step, mean)", value))
         rows += list(self.facts.items())
         if not math.isnan(s["step_seconds"]):
             parts = ", ".join(
