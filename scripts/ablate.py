@@ -6,7 +6,8 @@
 The first runs `python src/train.py -m ablation=NAME seed=0,..,N-1 rl.steps=S` with its sweep folder
 at `<out>/runs` (out: `outputs/ablations/NAME`), then writes `<out>/table.md` (each setting's final,
 best and mean held-out accuracy, reward, KL, generated tokens and wall time: mean ± 95% CI over
-seeds), `<out>/table.json` and `<out>/curves.png`. `--from` reads finished multirun folders instead
+seeds; a second table: the steps, generated tokens and RL-step seconds to reach 70% and 80%),
+`<out>/table.json` and `<out>/curves.png`. `--from` reads finished multirun folders instead
 (any sweep: settings are told apart by the overrides that differ between its jobs); the name is
 then the table's title and the default output folder's name.
 """

@@ -19,8 +19,12 @@ from loorl.research.ablation import (
     accuracy_auc,
     checkpoint_bytes,
     group_settings,
+    markdown_table,
     mean_ci,
     moving_average,
+    reach,
+    reach_metrics,
+    summarize,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,6 +68,55 @@ def test_settings_are_the_overrides_that_differ_without_the_seed():
     assert [s.label for s in group_settings(two_keys)][0] == "estimator=rloo, loss.agg=t"
     group = [job("+ablation/kl_settings=none", "seed=0"), job("+ablation/kl_settings=loss_k2", "seed=0")]
     assert [s.label for s in group_settings(group)] == ["none", "loss_k2"]
+
+
+def test_a_cosmetic_override_is_not_a_setting_and_no_override_is_named():
+    jobs = [job("experiment=x", "trainer.enable_progress_bar=false", "seed=0"),
+            job("experiment=x", "trainer.enable_progress_bar=False", "arm=on", "seed=0")]  # fmt: skip
+    assert [s.label for s in group_settings(jobs)] == ["(no override)", "on"]
+    assert [s.label for s in group_settings(jobs[:1])] == ["(all runs)"]
+
+
+def history_job(accuracy: list[tuple[int, float]], steps: int, *, tokens=100.0, seconds=2.0, **extra) -> Job:
+    history = {
+        "val/accuracy": accuracy,
+        "rollout/gen_tokens": [(s, tokens) for s in range(steps)],
+        "perf/step_seconds": [(s, seconds) for s in range(steps)],
+        **extra,
+    }
+    return Job(Path("."), ["seed=0"], 0, {}, history, {"rl": {"prompts_per_step": 16}})
+
+
+def test_reaching_a_level_by_hand():
+    run = history_job([(0, 0.3), (5, np.float32(0.7).item()), (10, 0.69), (15, 0.8)], steps=15)
+    # 70% first at step 5 (a float32 0.7 is 0.699999988): the rollouts 0..4 before it, 5 x 100 tokens, 5 x 2 s
+    assert reach(run, 0.70) == {"step": 5.0, "tokens": 500.0, "seconds": 10.0}
+    assert reach(run, 0.80) == {"step": 15.0, "tokens": 1500.0, "seconds": 30.0}
+    assert all(math.isnan(v) for v in reach(run, 0.90).values())
+    assert reach(history_job([(0, 0.75)], steps=3), 0.70) == {"step": 0.0, "tokens": 0.0, "seconds": 0.0}
+
+
+def test_groups_with_signal_per_step_with_and_without_dynamic_sampling():
+    plain = history_job([(0, 0.3)], steps=2, **{"rollout/zero_std_group_frac": [(0, 0.75), (1, 0.5)]})
+    assert reach_metrics(plain)["signal_groups"] == (4 + 8) / 2 and math.isnan(reach_metrics(plain)["rounds"])
+    dynamic = history_job([(0, 0.3)], steps=2, **{"rollout/zero_std_group_frac": [(0, 0.75), (1, 0.5)],
+                                                  "dynamic/rounds": [(0, 3.0), (1, 2.0)],
+                                                  "dynamic/groups_with_signal": [(0, 10.0), (1, 16.0)]})  # fmt: skip
+    assert reach_metrics(dynamic)["signal_groups"] == 13.0 and reach_metrics(dynamic)["rounds"] == 2.5
+
+
+def test_the_reach_table_counts_the_seeds_that_got_there():
+    from loorl.research.ablation import Setting
+
+    slow = history_job([(0, 0.3), (10, 0.75)], steps=10)
+    fast = history_job([(0, 0.3), (5, 0.71), (10, 0.85)], steps=10)
+    fast.seed = 1
+    rows = summarize([Setting("arm", [slow, fast])])
+    assert rows[0]["reach"]["step_to_70"]["values"] == [10.0, 5.0]
+    assert rows[0]["reach"]["step_to_80"]["reached"] == 1
+    table = markdown_table(rows, title="t")
+    assert "| steps to 70% | gen. tokens to 70% | RL-step s to 70% | steps to 80% |" in table
+    assert "| arm | 7.5 ± 31.8 | 750 ± 3,177 | 15 ± 64 | 10.0 (1 of 2 seeds) |" in table
 
 
 def test_checkpoint_size_of_a_file_or_a_folder_of_shards(tmp_path):
@@ -119,6 +172,7 @@ def test_the_table_is_the_mean_and_interval_of_the_runs(sweep):
     table = (out / "table.md").read_text()
     assert "| setting | seeds | final acc. (%) |" in table and "±" in table
     assert "| s/step | peak RSS (GB) | checkpoint (MB) |" in table
+    assert "| setting | steps to 70% |" in table and all(r["reach"]["rounds"]["reached"] == 0 for r in rows.values())
     assert (out / "curves.png").stat().st_size > 10_000
 
 

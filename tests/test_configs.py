@@ -5,6 +5,7 @@ Run with `PYTHONPATH=src` (the package is not installed on the development machi
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from pathlib import Path
@@ -650,6 +651,29 @@ def test_ablation_lora_compares_the_smollm2_experiments_keeping_one_final_checkp
     for s in (full, lora):  # the checkpoint size is measured on the one checkpoint each run keeps
         assert (s.run.checkpoint_every, s.run.checkpoint_keep) == (s.rl.steps, 1) and not s.run.export_policy
     assert (full.rl, full.run.val_every) == (lora.rl, lora.run.val_every)
+
+
+def test_ablation_dynamic_sampling_arms_differ_only_in_it_steps_and_validation_points(default_cfg, tmp_path):
+    from loorl.config import load_settings
+
+    params = sweep_params(tmp_path, "dynamic_sampling")
+    assert params["experiment"] == ["smollm2_arithmetic"] and params["+ablation/dynamic_sampling_arms"] == [
+        "off",
+        "on",
+    ]
+    off, on = (
+        load_settings(default_cfg("ablation=dynamic_sampling", "experiment=smollm2_arithmetic",
+                                  f"+ablation/dynamic_sampling_arms={arm}"))
+        for arm in ("off", "on")
+    )  # fmt: skip
+    recipe = load_settings(default_cfg("experiment=smollm2_arithmetic"))
+    assert not off.rl.dynamic_sampling.enabled and on.rl.dynamic_sampling.enabled
+    assert (off.rl.steps, off.run.val_every) == (recipe.rl.steps, recipe.run.val_every)  # the recipe
+    for arm in (off, on):  # five validations each (step 0 and every val_every to the end)
+        assert arm.rl.steps // arm.run.val_every + 1 == 5 and arm.rl.steps % arm.run.val_every == 0
+        assert arm.run.checkpoint_every == 0 and not arm.run.export_policy
+    assert dataclasses.replace(off.rl, steps=on.rl.steps, dynamic_sampling=on.rl.dynamic_sampling) == on.rl
+    assert (off.rollout, off.task, off.loss, off.optimizer) == (on.rollout, on.task, on.loss, on.optimizer)
 
 
 def test_eval_config_extends_the_training_config(tmp_path):

@@ -21,6 +21,9 @@ import yaml
 log = logging.getLogger(__name__)
 
 SEED_KEYS = ("seed",)
+# overrides that change how a run looks, not what it computes: never a setting of their own
+COSMETIC_KEYS = ("trainer.enable_progress_bar",)
+REACH_LEVELS = (0.70, 0.80)  # held-out accuracies whose first reaching the second table reports
 
 
 @dataclass
@@ -45,6 +48,19 @@ class Job:
             rl = self.config.get("rl", {})
             tokens = length * rl.get("prompts_per_step", 0) * rl.get("samples_per_prompt", 0)
         return np.cumsum(tokens[np.argsort(steps)])
+
+    def cumulative_step_seconds(self) -> np.ndarray:
+        """Seconds of RL steps (rollout and update; no validation, start-up or checkpoint) up to and
+        including each step, [steps]: the clock two settings are compared on."""
+        steps, seconds = self.series("perf/step_seconds")
+        return np.cumsum(seconds[np.argsort(steps)])
+
+    def before_step(self, cumulative: np.ndarray, step: float) -> float:
+        """A cumulative count (tokens, seconds) over the rollouts before `step`: what the policy
+        validated at `step` (after `step` updates) had cost."""
+        if step == 0 or not len(cumulative):
+            return 0.0 if step == 0 else float("nan")
+        return float(cumulative[min(int(step) - 1, len(cumulative) - 1)])
 
 
 @dataclass
@@ -88,15 +104,16 @@ def group_settings(jobs: list[Job]) -> list[Setting]:
     the order their first job ran. A setting's label is its distinguishing overrides (the value
     alone when one key varies)."""
     shared = set.intersection(*(set(j.overrides) for j in jobs)) if jobs else set()
+    ignored = SEED_KEYS + COSMETIC_KEYS
     settings: dict[tuple, Setting] = {}
     varying_keys = {
-        _key(o) for j in jobs for o in j.overrides if o not in shared and _key(o) not in SEED_KEYS
+        _key(o) for j in jobs for o in j.overrides if o not in shared and _key(o) not in ignored
     }
     for job in jobs:
-        own = tuple(o for o in job.overrides if o not in shared and _key(o) not in SEED_KEYS)
+        own = tuple(o for o in job.overrides if o not in shared and _key(o) not in ignored)
         if own not in settings:
             parts = [o.split("=", 1)[1] if len(varying_keys) == 1 else o.lstrip("+") for o in own]
-            settings[own] = Setting(", ".join(parts) or "(all runs)")
+            settings[own] = Setting(", ".join(parts) or ("(no override)" if varying_keys else "(all runs)"))
         settings[own].jobs.append(job)
     return list(settings.values())
 
@@ -142,6 +159,38 @@ def job_metrics(job: Job) -> dict[str, float]:
     }
 
 
+def reach(job: Job, level: float) -> dict[str, float]:
+    """When the run's held-out accuracy first reached `level`: the validated step, the generated tokens
+    and the RL-step seconds spent before it; NaN for each if it never did."""
+    steps, acc = job.series("val/accuracy")
+    order = np.argsort(steps)
+    reached = steps[order][acc[order] >= level - 1e-6]  # a float32 0.7 is logged as 0.699999988
+    if not len(reached):
+        return {"step": float("nan"), "tokens": float("nan"), "seconds": float("nan")}
+    step = float(reached[0])
+    return {
+        "step": step,
+        "tokens": job.before_step(job.cumulative_tokens(), step),
+        "seconds": job.before_step(job.cumulative_step_seconds(), step),
+    }
+
+
+def reach_metrics(job: Job) -> dict[str, float]:
+    """The second table's numbers for a job: reaching each of REACH_LEVELS, and the dynamic sampling
+    rounds and trained groups with signal per step (NaN for runs without it)."""
+    out = {}
+    for level in REACH_LEVELS:
+        for what, value in reach(job, level).items():
+            out[f"{what}_to_{round(level * 100)}"] = value
+    rounds, signal = job.series("dynamic/rounds")[1], job.series("dynamic/groups_with_signal")[1]
+    if not len(signal):  # without dynamic sampling: the groups whose rewards had a spread
+        prompts = job.config.get("rl", {}).get("prompts_per_step", float("nan"))
+        signal = (1 - job.series("rollout/zero_std_group_frac")[1]) * prompts
+    out["rounds"] = float(rounds.mean()) if len(rounds) else float("nan")
+    out["signal_groups"] = float(signal.mean()) if len(signal) else float("nan")
+    return out
+
+
 def checkpoint_bytes(path: Path) -> float:
     """The size of a checkpoint: a file (one process) or a folder of shards (FSDP); NaN if none."""
     if path.is_file():
@@ -165,6 +214,21 @@ COLUMNS = {  # metric -> (column title, format)
 }
 
 
+REACH_COLUMNS = {  # reach_metrics -> (column title, format)
+    **{
+        f"{what}_to_{round(level * 100)}": (f"{title} to {round(level * 100)}%", fmt)
+        for level in REACH_LEVELS
+        for what, title, fmt in (
+            ("step", "steps", ".1f"),
+            ("tokens", "gen. tokens", ",.0f"),
+            ("seconds", "RL-step s", ".0f"),
+        )
+    },
+    "rounds": ("rounds/step", ".2f"),
+    "signal_groups": ("groups with signal/step", ".1f"),
+}
+
+
 def _cell(mean: float, half: float, fmt: str) -> str:
     if math.isnan(mean):
         return "n/a"
@@ -174,15 +238,20 @@ def _cell(mean: float, half: float, fmt: str) -> str:
 
 
 def summarize(settings: list[Setting]) -> list[dict]:
-    """Per setting: the seed count and each metric's (mean, 95% half-width), plus per-seed values."""
+    """Per setting: the seed count and each metric's (mean, 95% half-width), plus per-seed values
+    (`metrics`: the first table's, `reach`: the second's; a reach mean is over the seeds that got there,
+    `reached` says how many)."""
     rows = []
     for setting in settings:
-        per_job = [job_metrics(j) for j in setting.jobs]
-        row = {"setting": setting.label, "seeds": sorted(j.seed for j in setting.jobs), "metrics": {}}
-        for name in COLUMNS:
-            values = [m[name] for m in per_job]
-            mean, half = mean_ci(values)
-            row["metrics"][name] = {"mean": mean, "ci95": half, "values": values}
+        row = {"setting": setting.label, "seeds": sorted(j.seed for j in setting.jobs)}
+        for part, columns, compute in (("metrics", COLUMNS, job_metrics), ("reach", REACH_COLUMNS, reach_metrics)):
+            per_job = [compute(j) for j in setting.jobs]
+            row[part] = {}
+            for name in columns:
+                values = [m[name] for m in per_job]
+                mean, half = mean_ci(values)
+                reached = sum(not math.isnan(v) for v in values)
+                row[part][name] = {"mean": mean, "ci95": half, "values": values, "reached": reached}
         rows.append(row)
     return rows
 
@@ -205,9 +274,33 @@ def markdown_table(rows: list[dict], *, title: str, note: str = "") -> str:
         "gen. tokens: completion tokens generated over the run; s/step: the median RL step; peak RSS: the "
         "process's peak resident host memory during the run; checkpoint: last.ckpt (n/a: none kept).",
     ]
+    lines += ["", *reach_table(rows)]
     if note:
         lines += ["", note]
     return "\n".join(lines) + "\n"
+
+
+def reach_table(rows: list[dict]) -> list[str]:
+    """The second table: how soon each setting got to REACH_LEVELS (markdown lines)."""
+    head = ["setting"] + [title for title, _ in REACH_COLUMNS.values()]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for row in rows:
+        cells = [row["setting"]]
+        for name, (_, fmt) in REACH_COLUMNS.items():
+            metric, n = row["reach"][name], len(row["seeds"])
+            cell = _cell(metric["mean"], metric["ci95"], fmt)
+            partial = name not in ("rounds", "signal_groups") and 0 < metric["reached"] < n
+            cells.append(f"{cell} ({metric['reached']} of {n} seeds)" if partial else cell)
+        lines.append("| " + " | ".join(cells) + " |")
+    levels = " and ".join(f"{round(level * 100)}%" for level in REACH_LEVELS)
+    return lines + [
+        "",
+        f"Reaching {levels} held-out accuracy: the first validation at or above it, as the RL step, the "
+        "completion tokens generated before it and the seconds of RL steps before it (rollout and "
+        "update, without validation, start-up or checkpoints); a mean over the seeds that reached it "
+        "(n/a: none did). Rounds: sampling rounds per step under dynamic sampling (n/a: off); groups with "
+        "signal: trained groups per step whose rewards had a spread (all ranks).",
+    ]
 
 
 # ---- curves --------------------------------------------------------------------------------------
@@ -222,24 +315,26 @@ def _band(ax, x: np.ndarray, ys: np.ndarray, label: str, color) -> None:
         ax.fill_between(x, mean - half, mean + half, color=color, alpha=0.2, lw=0)
 
 
-def _aligned(jobs: list[Job], key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Steps every seed has, their values [seeds, steps] and the mean cumulative tokens at each."""
+def _aligned(jobs: list[Job], key: str) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """Steps every seed has, their values [seeds, steps] and, at each of those steps, the mean over
+    seeds of the cumulative generated tokens and RL-step minutes (empty where a run lacks them)."""
     common = sorted(set.intersection(*(set(j.series(key)[0].tolist()) for j in jobs)))
-    values, tokens = [], []
+    values, clocks = [], {"tokens": [], "minutes": []}
     for job in jobs:
         steps, v = job.series(key)
         lookup = dict(zip(steps.tolist(), v.tolist()))
         values.append([lookup[s] for s in common])
-        cum = job.cumulative_tokens()
-        # validation at step s saw the policy after s updates: tokens of the rollouts 0..s-1;
-        # the reward of step s is that rollout's own: tokens of 0..s
-        before = [0.0 if s == 0 else cum[min(int(s) - 1, len(cum) - 1)] for s in common] if len(cum) else []
-        during = [cum[min(int(s), len(cum) - 1)] for s in common] if len(cum) else []
-        tokens.append(before if key.startswith("val/") else during)
+        for name, cum in (("tokens", job.cumulative_tokens()), ("minutes", job.cumulative_step_seconds() / 60)):
+            if not len(cum):
+                continue
+            # validation at step s saw the policy after s updates: the rollouts 0..s-1;
+            # the reward of step s is that rollout's own: 0..s
+            at = job.before_step if key.startswith("val/") else lambda c, s: float(c[min(int(s), len(c) - 1)])
+            clocks[name].append([at(cum, s) for s in common])
     return (
         np.array(common),
         np.array(values),
-        np.array(tokens).mean(0) if tokens and tokens[0] else np.array([]),
+        {k: np.array(v).mean(0) for k, v in clocks.items() if len(v) == len(jobs)},
     )
 
 
@@ -255,14 +350,16 @@ def moving_average(values: np.ndarray, window: int) -> np.ndarray:
 
 def plot_curves(settings: list[Setting], path: Path, *, title: str) -> None:
     """Held-out accuracy and rollout reward (a trailing mean over ~1/15 of the run: one step's reward
-    is noisy) against RL step and generated tokens; the mean over seeds with its 95% band. The
-    y-axes span the means (bands of few seeds run far beyond them)."""
+    is noisy) against RL step, generated tokens and RL-step minutes (the wall clock without validation
+    and start-up: settings whose steps cost differently compare here); the mean over seeds with its
+    95% band. The y-axes span the means (bands of few seeds run far beyond them)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7.5), sharey="col")
+    clocks = ("tokens", "minutes")
+    fig, axes = plt.subplots(3, 2, figsize=(11, 11), sharey="col")
     colors = plt.get_cmap("tab10")
     means: dict[int, list[np.ndarray]] = {0: [], 1: []}
     window = 1
@@ -270,14 +367,15 @@ def plot_curves(settings: list[Setting], path: Path, *, title: str) -> None:
         for col, key in enumerate(("val/accuracy", "rollout/reward")):
             if not all(j.history.get(key) for j in setting.jobs):
                 continue
-            steps, values, tokens = _aligned(setting.jobs, key)
+            steps, values, x = _aligned(setting.jobs, key)
             if key == "rollout/reward":
                 window = max(1, len(steps) // 15)
                 values = moving_average(values, window)
             means[col].append(values.mean(0))
             _band(axes[0, col], steps, values, setting.label, colors(i % 10))
-            if len(tokens):
-                _band(axes[1, col], tokens, values, setting.label, colors(i % 10))
+            for row, clock in enumerate(clocks, start=1):
+                if clock in x:
+                    _band(axes[row, col], x[clock], values, setting.label, colors(i % 10))
     names = (
         "held-out greedy accuracy",
         f"rollout reward (mean of {window} steps)" if window > 1 else "rollout reward",
@@ -285,11 +383,12 @@ def plot_curves(settings: list[Setting], path: Path, *, title: str) -> None:
     for col, name in enumerate(names):
         axes[0, col].set_xlabel("RL step")
         axes[1, col].set_xlabel("generated tokens")
+        axes[2, col].set_xlabel("RL-step minutes (no validation, start-up)")
         if means[col]:
             low, high = min(m.min() for m in means[col]), max(m.max() for m in means[col])
             pad = 0.15 * (high - low) or 0.05
             axes[0, col].set_ylim(low - pad, high + pad)
-        for row in range(2):
+        for row in range(3):
             axes[row, col].set_ylabel(name)
             axes[row, col].grid(alpha=0.3)
     axes[0, 0].legend(fontsize=8)
