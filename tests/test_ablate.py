@@ -18,6 +18,8 @@ from loorl.research.ablation import (
     Job,
     accuracy_auc,
     checkpoint_bytes,
+    cost_before,
+    cost_through,
     group_settings,
     markdown_table,
     mean_ci,
@@ -96,12 +98,20 @@ def test_reaching_a_level_by_hand():
     assert reach(history_job([(0, 0.75)], steps=3), 0.70) == {"step": 0.0, "tokens": 0.0, "seconds": 0.0}
 
 
+def test_costs_before_a_validation_and_through_a_rollout():
+    cumulative = np.array([10.0, 30.0, 60.0])  # rollouts 0, 1, 2
+    # validation at step s saw the policy after s updates: rollouts 0..s-1; the reward of step s: 0..s
+    assert [cost_before(cumulative, s) for s in (0, 1, 3, 9)] == [0.0, 10.0, 60.0, 60.0]
+    assert [cost_through(cumulative, s) for s in (0, 1, 2, 9)] == [10.0, 30.0, 60.0, 60.0]
+    assert math.isnan(cost_before(np.array([]), 4))
+
+
 def test_groups_with_signal_per_step_with_and_without_dynamic_sampling():
     plain = history_job([(0, 0.3)], steps=2, **{"rollout/zero_std_group_frac": [(0, 0.75), (1, 0.5)]})
     assert reach_metrics(plain)["signal_groups"] == (4 + 8) / 2 and math.isnan(reach_metrics(plain)["rounds"])
     dynamic = history_job([(0, 0.3)], steps=2, **{"rollout/zero_std_group_frac": [(0, 0.75), (1, 0.5)],
                                                   "dynamic/rounds": [(0, 3.0), (1, 2.0)],
-                                                  "dynamic/groups_with_signal": [(0, 10.0), (1, 16.0)]})  # fmt: skip
+                                                  "dynamic/groups_with_signal": [(0, 10.0), (1, 16.0)]})  # noqa: E501  # fmt: skip
     assert reach_metrics(dynamic)["signal_groups"] == 13.0 and reach_metrics(dynamic)["rounds"] == 2.5
 
 
@@ -172,7 +182,9 @@ def test_the_table_is_the_mean_and_interval_of_the_runs(sweep):
     table = (out / "table.md").read_text()
     assert "| setting | seeds | final acc. (%) |" in table and "±" in table
     assert "| s/step | peak RSS (GB) | checkpoint (MB) |" in table
-    assert "| setting | steps to 70% |" in table and all(r["reach"]["rounds"]["reached"] == 0 for r in rows.values())
+    assert "| setting | steps to 70% |" in table and all(
+        r["reach"]["rounds"]["reached"] == 0 for r in rows.values()
+    )
     assert (out / "curves.png").stat().st_size > 10_000
 
 

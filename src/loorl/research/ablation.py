@@ -55,12 +55,19 @@ class Job:
         steps, seconds = self.series("perf/step_seconds")
         return np.cumsum(seconds[np.argsort(steps)])
 
-    def before_step(self, cumulative: np.ndarray, step: float) -> float:
-        """A cumulative count (tokens, seconds) over the rollouts before `step`: what the policy
-        validated at `step` (after `step` updates) had cost."""
-        if step == 0 or not len(cumulative):
-            return 0.0 if step == 0 else float("nan")
-        return float(cumulative[min(int(step) - 1, len(cumulative) - 1)])
+
+def cost_before(cumulative: np.ndarray, step: float) -> float:
+    """A cumulative count (tokens, seconds) over the rollouts before `step`: what the policy validated
+    at `step` (after `step` updates) had cost."""
+    if step == 0 or not len(cumulative):
+        return 0.0 if step == 0 else float("nan")
+    return float(cumulative[min(int(step) - 1, len(cumulative) - 1)])
+
+
+def cost_through(cumulative: np.ndarray, step: float) -> float:
+    """A cumulative count over the rollouts up to and including `step`: what step `step`'s own
+    rollout (its reward) had cost."""
+    return float(cumulative[min(int(step), len(cumulative) - 1)])
 
 
 @dataclass
@@ -106,9 +113,7 @@ def group_settings(jobs: list[Job]) -> list[Setting]:
     shared = set.intersection(*(set(j.overrides) for j in jobs)) if jobs else set()
     ignored = SEED_KEYS + COSMETIC_KEYS
     settings: dict[tuple, Setting] = {}
-    varying_keys = {
-        _key(o) for j in jobs for o in j.overrides if o not in shared and _key(o) not in ignored
-    }
+    varying_keys = {_key(o) for j in jobs for o in j.overrides if o not in shared and _key(o) not in ignored}
     for job in jobs:
         own = tuple(o for o in job.overrides if o not in shared and _key(o) not in ignored)
         if own not in settings:
@@ -159,28 +164,30 @@ def job_metrics(job: Job) -> dict[str, float]:
     }
 
 
-def reach(job: Job, level: float) -> dict[str, float]:
+def reach(
+    job: Job, level: float, tokens: np.ndarray | None = None, seconds: np.ndarray | None = None
+) -> dict[str, float]:
     """When the run's held-out accuracy first reached `level`: the validated step, the generated tokens
-    and the RL-step seconds spent before it; NaN for each if it never did."""
+    and the RL-step seconds spent before it; NaN for each if it never did. `tokens` and `seconds` are
+    the job's cumulative counts, computed here when not given."""
     steps, acc = job.series("val/accuracy")
     order = np.argsort(steps)
     reached = steps[order][acc[order] >= level - 1e-6]  # a float32 0.7 is logged as 0.699999988
     if not len(reached):
         return {"step": float("nan"), "tokens": float("nan"), "seconds": float("nan")}
     step = float(reached[0])
-    return {
-        "step": step,
-        "tokens": job.before_step(job.cumulative_tokens(), step),
-        "seconds": job.before_step(job.cumulative_step_seconds(), step),
-    }
+    tokens = job.cumulative_tokens() if tokens is None else tokens
+    seconds = job.cumulative_step_seconds() if seconds is None else seconds
+    return {"step": step, "tokens": cost_before(tokens, step), "seconds": cost_before(seconds, step)}
 
 
 def reach_metrics(job: Job) -> dict[str, float]:
     """The second table's numbers for a job: reaching each of REACH_LEVELS, and the dynamic sampling
     rounds and trained groups with signal per step (NaN for runs without it)."""
     out = {}
+    tokens, seconds = job.cumulative_tokens(), job.cumulative_step_seconds()
     for level in REACH_LEVELS:
-        for what, value in reach(job, level).items():
+        for what, value in reach(job, level, tokens, seconds).items():
             out[f"{what}_to_{round(level * 100)}"] = value
     rounds, signal = job.series("dynamic/rounds")[1], job.series("dynamic/groups_with_signal")[1]
     if not len(signal):  # without dynamic sampling: the groups whose rewards had a spread
@@ -214,16 +221,17 @@ COLUMNS = {  # metric -> (column title, format)
 }
 
 
+REACH_LEVEL_COLUMNS = {  # reach_metrics of reaching a level -> (column title, format)
+    f"{what}_to_{round(level * 100)}": (f"{title} to {round(level * 100)}%", fmt)
+    for level in REACH_LEVELS
+    for what, title, fmt in (
+        ("step", "steps", ".1f"),
+        ("tokens", "gen. tokens", ",.0f"),
+        ("seconds", "RL-step s", ".0f"),
+    )
+}
 REACH_COLUMNS = {  # reach_metrics -> (column title, format)
-    **{
-        f"{what}_to_{round(level * 100)}": (f"{title} to {round(level * 100)}%", fmt)
-        for level in REACH_LEVELS
-        for what, title, fmt in (
-            ("step", "steps", ".1f"),
-            ("tokens", "gen. tokens", ",.0f"),
-            ("seconds", "RL-step s", ".0f"),
-        )
-    },
+    **REACH_LEVEL_COLUMNS,
     "rounds": ("rounds/step", ".2f"),
     "signal_groups": ("groups with signal/step", ".1f"),
 }
@@ -244,7 +252,10 @@ def summarize(settings: list[Setting]) -> list[dict]:
     rows = []
     for setting in settings:
         row = {"setting": setting.label, "seeds": sorted(j.seed for j in setting.jobs)}
-        for part, columns, compute in (("metrics", COLUMNS, job_metrics), ("reach", REACH_COLUMNS, reach_metrics)):
+        for part, columns, compute in (
+            ("metrics", COLUMNS, job_metrics),
+            ("reach", REACH_COLUMNS, reach_metrics),
+        ):
             per_job = [compute(j) for j in setting.jobs]
             row[part] = {}
             for name in columns:
@@ -289,7 +300,7 @@ def reach_table(rows: list[dict]) -> list[str]:
         for name, (_, fmt) in REACH_COLUMNS.items():
             metric, n = row["reach"][name], len(row["seeds"])
             cell = _cell(metric["mean"], metric["ci95"], fmt)
-            partial = name not in ("rounds", "signal_groups") and 0 < metric["reached"] < n
+            partial = name in REACH_LEVEL_COLUMNS and 0 < metric["reached"] < n  # a seed may never get there
             cells.append(f"{cell} ({metric['reached']} of {n} seeds)" if partial else cell)
         lines.append("| " + " | ".join(cells) + " |")
     levels = " and ".join(f"{round(level * 100)}%" for level in REACH_LEVELS)
@@ -324,12 +335,15 @@ def _aligned(jobs: list[Job], key: str) -> tuple[np.ndarray, np.ndarray, dict[st
         steps, v = job.series(key)
         lookup = dict(zip(steps.tolist(), v.tolist()))
         values.append([lookup[s] for s in common])
-        for name, cum in (("tokens", job.cumulative_tokens()), ("minutes", job.cumulative_step_seconds() / 60)):
+        for name, cum in (
+            ("tokens", job.cumulative_tokens()),
+            ("minutes", job.cumulative_step_seconds() / 60),
+        ):
             if not len(cum):
                 continue
             # validation at step s saw the policy after s updates: the rollouts 0..s-1;
             # the reward of step s is that rollout's own: 0..s
-            at = job.before_step if key.startswith("val/") else lambda c, s: float(c[min(int(s), len(c) - 1)])
+            at = cost_before if key.startswith("val/") else cost_through
             clocks[name].append([at(cum, s) for s in common])
     return (
         np.array(common),
