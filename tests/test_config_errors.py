@@ -128,6 +128,24 @@ CASES = [
         "model.lora.target_modules",
         ["lm_head", "ties", "leave it out"],
     ),
+    # tools (tools.*): the tool set, the budget, the tags and the engine, before any model loads
+    (["tools=calculator", "tools.max_turns=-1"], "tools.max_turns", ["-1", "greater than or equal to 0"]),
+    (["tools=calculator", "tools.max_tokens=3"], "tools.max_tokens=3", ["less than one turn", "set tools"]),
+    (
+        ["tools=calculator", "tools.available.calculator._target_=mypkg.Abacus"],
+        "tools.available.calculator._target_=mypkg.Abacus",
+        ["cannot be imported"],
+    ),
+    (["tools=calculator", "tools.available.calculator.end=''"], "tools.available.calculator", ["start and"]),
+    (["tools=calculator", "tools.result_format=x"], "tools.result_format", ["{result}"]),
+    (["tools=none", "tools.max_turns=2"], "tools.max_turns > 0", ["tools.available"]),
+    (["tools=calculator", "tools.insert=chat"], "tools.insert", ["chat", "template"]),
+    (["tools=calculator", "rollout=vllm"], "tools.max_turns > 0", ["rollout=hf", "tools.max_turns=0"]),
+    (
+        ["tools=calculator", "+tools.available.abacus={_target_: loorl.tools.Calculator, start: a, end: 'c>'}"],  # noqa: E501
+        "tools.available.abacus.end='c>'",
+        ["ends like tools.available.calculator.end"],
+    ),
 ]
 
 

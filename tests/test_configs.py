@@ -36,7 +36,8 @@ from loorl.settings import (
 )
 from loorl.training.strategies import FSDPStrategy
 
-GROUPS = ["estimator", "model", "task", "rollout", "strategy", "trainer", "logger", "experiment", "ablation"]
+GROUPS = ["estimator", "model", "task", "rollout", "strategy", "trainer", "logger", "experiment", "ablation",
+          "tools"]  # fmt: skip
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))]
 # These compose but are refused by check_config by design: the hub model needs the network
 # (tests/test_config_errors.py); gsm8k and math need data.path (tests/test_tasks.py checks them
@@ -239,6 +240,31 @@ def test_the_every_step_learns_settings_compose_and_are_off_by_default(default_c
     assert (s.loss.is_mode, s.loss.is_low, s.loss.is_high) == ("sequence_mask", 0.25, 3.0)
     for reward in ("custom", "model"):  # any reward file keeps the overlong block
         assert default_cfg(f"reward={reward}").reward.overlong.buffer == 0
+
+
+def test_the_tools_settings_compose_and_are_off_by_default(default_cfg):
+    """tools: none by default (one turn); tools=calculator and tools=python reach the checked settings
+    with their tags, and every key of the section can be set on the command line."""
+    off = check_config(default_cfg())
+    assert off.tools.max_turns == 0 and off.tools.available == {}
+    calc = check_config(default_cfg("tools=calculator"))
+    assert (
+        calc.tools.max_turns == 4
+        and calc.tools.budget(calc.rollout.max_new_tokens) == 5 * calc.rollout.max_new_tokens
+    )
+    assert calc.tools.available["calculator"] == {
+        "_target_": "loorl.tools.Calculator",
+        "start": "<calc>",
+        "end": "</calc>",
+    }
+    python = check_config(default_cfg("tools=python"))
+    assert python.tools.available["python"]["timeout_s"] == 5.0 and python.tools.timeout_s == 10.0
+    every = ["tools.max_turns=2", "tools.max_tokens=64", "tools.timeout_s=1.5", "tools.max_result_chars=50",
+             "tools.result_format=' = {result}'", "tools.insert=text", "tools.workers=1"]  # fmt: skip
+    s = check_config(default_cfg("tools=calculator", *every))
+    t = s.tools
+    assert (t.max_turns, t.max_tokens, t.timeout_s, t.max_result_chars) == (2, 64, 1.5, 50)
+    assert (t.result_format, t.insert, t.workers) == (" = {result}", "text", 1)
 
 
 def test_tis_cap_comes_from_the_model_config(default_cfg):

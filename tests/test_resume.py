@@ -304,3 +304,32 @@ def test_a_resumed_run_logs_into_the_wandb_run_it_continues(tmp_path, model_cach
     runs = sorted((run / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and started in runs
     assert {r.name.rsplit("-", 1)[1] for r in runs} == {started.name.rsplit("-", 1)[1]}  # one wandb run id
+
+
+# the tiny model writes digits: a "1" opens a calculator call and a "2" closes it (tests/test_multi_turn.py)
+DIGIT_TOOLS = ("tools=calculator", "tools.available.calculator.start='1'",
+               "tools.available.calculator.end='2'", "tools.result_format='[{result}]'", "tools.max_turns=3",
+               "tools.max_tokens=40")  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [(), ("rollout.async_steps=1", "rollout.devices=trainer")],
+    ids=["synchronous", "one-step-off"],
+)
+def test_a_killed_run_with_tools_resumes_to_the_same_run(tmp_path, model_cache, overrides):
+    """Multi-turn rollouts with tools after a kill -9: every `tools/` metric and the rest, exactly. One
+    step off, the tools run in the sampler's turn loop and the rollout sampled ahead is checkpointed."""
+    tools = (*DIGIT_TOOLS, "rl.steps=12", "checkpoint_every=4", "val_every=6", *overrides)
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    _run(_command(straight, model_cache, *tools))
+    calls = [
+        float(v[0]) for (key, _), v in metric_values(straight).items() if key == "tools/calls_per_sample"
+    ]
+    assert calls and max(calls) > 0
+    first = run / "checkpoints" / "epoch=7-step=8.ckpt"
+    killed = _start_and_signal(_command(run, model_cache, *tools), first, signal.SIGKILL)
+    assert killed.returncode == -signal.SIGKILL
+    _run(_command(run, model_cache, *tools, "resume_from=auto"))
+    assert_same_run(straight, run)

@@ -10,6 +10,7 @@ loggers and callbacks stay with the command that runs them (`loorl.cli`).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,8 @@ from loorl.rollout.sampler_process import ProcessEngine
 from loorl.tasks.base import Task
 from loorl.training.checkpoints import run_identity
 from loorl.training.module import PolicyGradientModule
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -87,6 +90,10 @@ def build_datamodule(
         share_prompt=s.rl.share_prompt,
         cuda=s.on_cuda,
     )
+    if (
+        s.tools.max_turns
+    ):  # multi-turn rollouts: tools run between turns (in the sampler process, one step off)
+        engine = tool_engine(engine, s, tokenizer)
     placement = sampler_placement_of(s)
     if placement is not None:  # one step off, sampled in a process of its own while the trainer trains
         engine = ProcessEngine(engine, placement)
@@ -103,6 +110,23 @@ def build_datamodule(
         overlong=s.reward.overlong,
         **evaluation,
     )
+
+
+def tool_engine(engine, s: Settings, tokenizer):
+    """The run's engine wrapped to generate in turns with the tools of `tools.available`."""
+    from loorl.rollout.multi_turn import ToolEngine, check_engine
+    from loorl.tools.toolset import build_toolset, check_tags, insertion
+
+    check_engine(type(engine), engine.name)
+    toolset = build_toolset(s.tools)
+    check_tags(tokenizer, toolset.tools, result_format=s.tools.result_format)
+    toolset.template_ids, how = insertion(tokenizer, s.tools.insert)
+    budget = s.tools.budget(s.rollout.max_new_tokens)
+    names = ", ".join(f"{t.name} ({t.start}...{t.end})" for t in toolset.tools)
+    log.info("tools: %s; up to %d calls and %d completion tokens per sample; %s", names,
+             s.tools.max_turns, budget, how)  # fmt: skip
+    return ToolEngine(engine, toolset, tokenizer, max_turns=s.tools.max_turns, max_tokens=budget,
+                      workers=s.tools.workers)  # fmt: skip
 
 
 def build_module(cfg_or_settings, model_path: str) -> PolicyGradientModule:

@@ -28,6 +28,7 @@ from loorl.settings import (
     RLSettings,
     RolloutSettings,
     RunSettings,
+    ToolsSettings,
 )
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -79,6 +80,7 @@ class Settings:
     optimizer: dict[str, Any]  # the optimizer section, resolved: a Hydra partial over the parameters
     strategy: str = "auto"  # the training strategy's kind: auto | ddp | fsdp (`strategy_kind`)
     accelerator: str = "auto"  # trainer.accelerator: cpu | gpu | auto (`loorl.util.hardware.uses_cuda`)
+    tools: ToolsSettings = ToolsSettings()  # multi-turn rollouts with tools; max_turns 0: none
 
     @property
     def on_cuda(self) -> bool:
@@ -105,6 +107,7 @@ def load_settings(cfg: DictConfig) -> Settings:
         rollout=rollout,
         model=model,
         reward=RewardSettings.from_cfg(cfg.reward, "reward"),
+        tools=ToolsSettings.from_cfg(cfg.get("tools"), "tools"),
         task=OmegaConf.to_container(cfg.task, resolve=True),
         optimizer=OmegaConf.to_container(cfg.optimizer, resolve=True),
         strategy=strategy_kind(cfg) if "trainer" in cfg else "auto",
@@ -151,8 +154,40 @@ def check_config(cfg: DictConfig) -> Settings:
     context = {"model_dtype": s.model.dtype, "model": s.model, "model_path": pretrained_path(s.model)}
     context |= {"seed": s.run.seed, "share_prompt": s.rl.share_prompt, "parallel": s.strategy}
     engine.check(EngineContext(s.rollout, **context))
+    if s.tools.max_turns:
+        check_tools(s, engine)
     sampler_placement_of(s)  # rollout.devices names cores this process has, and leaves the trainer some
     return s
+
+
+def check_tools(s: Settings, engine: type) -> None:
+    """Multi-turn rollouts: an engine that stops on a tool's closing tag, tools that import, a budget
+    of at least one turn, and closing tags the tokenizer can end a turn on (where the tokenizer can be
+    had without building the model: the tiny model's, or a local model folder's)."""
+    from loorl.rollout.multi_turn import check_engine
+    from loorl.tools.toolset import build_toolset, check_tags
+
+    check_engine(engine, engine.name)
+    budget, turn = s.tools.budget(s.rollout.max_new_tokens), s.rollout.max_new_tokens
+    if budget < turn:
+        raise ConfigError(
+            f"tools.max_tokens={budget} is less than one turn (rollout.max_new_tokens={turn}): a sample's "
+            "budget covers its turns and the results between them; set tools.max_tokens="
+            f"{turn * (s.tools.max_turns + 1)}"
+        )
+    toolset = build_toolset(s.tools)
+    path = pretrained_path(s.model)
+    if path is None:
+        from loorl.models.tiny import build_char_tokenizer
+
+        tokenizer = build_char_tokenizer()
+    elif Path(path).is_dir():
+        from loorl.models.load import load_tokenizer
+
+        tokenizer = load_tokenizer(path)
+    else:  # a hub name: checked when the run builds its engine
+        return
+    check_tags(tokenizer, toolset.tools, result_format=s.tools.result_format)
 
 
 def sampler_placement_of(s: Settings):

@@ -450,6 +450,38 @@ class RewardSettings(Section):
     overlong: OverlongSettings = OverlongSettings()  # added after the clip, before the estimator
 
 
+ToolInsert = Literal["auto", "text", "template"]
+TOOL_INSERTS = get_args(ToolInsert)
+
+
+@dataclass(frozen=True, config=SCHEMA)
+class ToolsSettings(Section):
+    """`tools`: multi-turn rollouts with tools (`loorl.rollout.multi_turn`, `loorl.tools`). Each entry
+    of `available` is `{_target_: a class or function, start: the call's opening tag, end: its closing
+    tag, ...the class's keyword arguments}` (`loorl.tools.toolset.build_toolset` checks them)."""
+
+    max_turns: NonNegativeInt = 0  # tool calls per sample at most; 0: one turn, exactly the run without tools
+    max_tokens: PositiveInt | None = None  # completion tokens per sample, generated and inserted; None:
+    # rollout.max_new_tokens x (max_turns + 1)
+    timeout_s: PositiveFloat = 5.0  # wall seconds per call; then its result is an error
+    max_result_chars: PositiveInt = 200  # a longer result is cut, with a marker
+    result_format: str = " <result>{result}</result>"  # a result as text in the transcript
+    insert: ToolInsert = "auto"  # text: result_format | template: the chat template's tool message | auto
+    workers: PositiveInt = 2  # calls run at the same time (threads; the Python tool's sandbox processes)
+    available: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if "{result}" not in self.result_format:
+            raise ConfigError(
+                f"tools.result_format={self.result_format!r} has no {{result}}: write where the result goes, "
+                "e.g. '<result>{result}</result>'"
+            )
+
+    def budget(self, max_new_tokens: int) -> int:
+        """Completion tokens per sample: `max_tokens`, or one turn's limit per possible turn."""
+        return self.max_tokens if self.max_tokens is not None else max_new_tokens * (self.max_turns + 1)
+
+
 EvalSplit = Literal["eval", "train"]
 
 

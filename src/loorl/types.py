@@ -41,6 +41,16 @@ class Completion:
     token_ids: list[int]  # cut after the first end-of-sequence id (included when present)
     logprobs: list[float]  # the sampler's log-probability of each token
     finished: bool  # True if it ended with EOS, False if cut by the length limit
+    # multi-turn rollouts with tools (`loorl.rollout.multi_turn`): 1 on the policy's own tokens, 0 on
+    # the tokens inserted between its turns (tool results: no loss, no sampler log-prob); None: all 1
+    policy_mask: list[int] | None = None
+    tool_calls: tuple = ()  # `loorl.tools.ToolCall`s in the order they were made
+    turns: int = 1  # generation turns
+
+    @property
+    def inserted(self) -> int:
+        """Tokens inserted between turns (tool results)."""
+        return 0 if self.policy_mask is None else len(self.policy_mask) - sum(self.policy_mask)
 
     @property
     def text_ids(self) -> list[int]:

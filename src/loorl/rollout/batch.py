@@ -32,10 +32,17 @@ def assemble(
     tokens, token_mask = pad([c.token_ids for c in flat], value=pad_token_id, side="right", width=c_len)
     logprobs, _ = pad([c.logprobs for c in flat], value=0.0, side="right", width=c_len, dtype=torch.float)
     in_loss = torch.tensor([c.finished or loss_on_truncated for c in flat]).unsqueeze(-1)  # [N, 1]
+    loss_mask = token_mask  # [N, C]
+    if any(
+        c.policy_mask is not None for c in flat
+    ):  # multi-turn: inserted tokens (tool results) carry no loss
+        own = [c.policy_mask if c.policy_mask is not None else [1] * len(c.token_ids) for c in flat]
+        policy, _ = pad(own, value=0, side="right", width=c_len)  # [N, C] 1 on the policy's own tokens
+        loss_mask = token_mask * policy  # the attention mask keeps the results: the policy saw them
     return RolloutBatch(
         input_ids=torch.cat([prompts, tokens], dim=1),  # [N, P + C]
         attention_mask=torch.cat([prompt_mask, token_mask], dim=1),  # [N, P + C]
-        completion_mask=(token_mask * in_loss).float(),  # [N, C]
+        completion_mask=(loss_mask * in_loss).float(),  # [N, C]
         sampler_logprobs=logprobs,
         rewards=rewards.reshape(-1).float(),
         advantages=None if advantages is None else advantages.reshape(-1).float(),

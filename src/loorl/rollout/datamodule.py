@@ -42,6 +42,7 @@ from loorl.rewards.shaping import overlong_penalty
 from loorl.rollout.batch import assemble, concatenate
 from loorl.rollout.dynamic_sampling import Choice, SetAside, choose_groups, groups_with_signal
 from loorl.rollout.engine import RolloutEngine
+from loorl.rollout.multi_turn import tool_counts, tool_stats, used_a_tool
 from loorl.settings import OverlongSettings, RLSettings, RolloutSettings
 from loorl.tasks.base import Task
 from loorl.types import Completion, Prompt, Rollout, RolloutBatch
@@ -400,7 +401,10 @@ class RolloutDataModule(L.LightningDataModule):
         finished = torch.tensor([[c.finished for c in g] for g in groups])  # [B, K]
         if self.settings.truncated == "zero":
             rewards = torch.where(finished | rewards.isnan(), rewards, torch.zeros_like(rewards))
-        lengths = torch.tensor([[len(c.token_ids) for c in g] for g in groups], dtype=torch.float)  # [B, K]
+        # [B, K] the tokens each sample generated (multi-turn: without the inserted tool results)
+        lengths = torch.tensor(
+            [[len(c.token_ids) - c.inserted for c in g] for g in groups], dtype=torch.float
+        )
         overlong = {"max_len": self.settings.max_new_tokens, "buffer": self.overlong.buffer,
                     "penalty": self.overlong.penalty}  # fmt: skip
         if self.overlong.buffer:
@@ -418,6 +422,9 @@ class RolloutDataModule(L.LightningDataModule):
         if self.overlong.buffer:  # the mean penalty over the step's samples (all ranks)
             stats["rollout/overlong_penalty"] = float(overlong_penalty(everyone[1], **overlong).mean())
         stats |= self.source_stats(prompts, everyone[0])
+        flat = [c for g in groups for c in g]
+        if any(c.policy_mask is not None for c in flat):  # multi-turn rollouts with tools (all ranks)
+            stats |= tool_stats(all_reduce(tool_counts(flat)).tolist())
         stats["perf/grade_seconds"] = clock.seconds["grade"]
         return Rollout(step=step, batch=batch, stats=stats)
 
@@ -464,7 +471,8 @@ class RolloutDataModule(L.LightningDataModule):
         the unbiased pass@k and maj@k [n] of `eval_samples` (n >= k) sampled completions each.
         The validation loop and `src/eval.py` both run this."""
         ids = self.encode_prompts(prompts)
-        greedy = self.detokenize(self.generate(ids, n=1, greedy=True))  # [n][1]
+        completions = self.generate(ids, n=1, greedy=True)  # [n][1]
+        greedy = self.detokenize(completions)  # [n][1]
         graded = self.rewards(prompts, greedy)  # [n, 1]
         results = {
             "prompts": [p.text for p in prompts],
@@ -472,6 +480,7 @@ class RolloutDataModule(L.LightningDataModule):
             "correct": graded.correct.view(-1),  # [n] NaN: unscorable (left out of val/accuracy)
             "reward": graded.rewards.view(-1),  # [n]
             "unscorable": graded.correct.view(-1).isnan().float(),  # [n] counted in val/unscorable
+            "tool_used": used_a_tool(completions),  # [n] None without tools
             "pass_k": None,
             "maj_k": None,
             "sources": [p.meta.get("source") for p in prompts],  # task=mix: each prompt's source

@@ -91,6 +91,8 @@ class RolloutEngine(ABC):
     # with the live policy, which must compute as training_step does. False (default): an engine with
     # its own weights and dtype (vLLM), whose float32 would otherwise quietly become bf16 matmuls.
     generates_in_trainer_precision: bool = False
+    # True: `generate` takes `stop` and `max_new_tokens` (see there), so tools can run between turns
+    stops_on_sequences: bool = False
     # set by an engine that samples in the background (`submit`): how long the last `receive` waited
     wait_seconds: float | None = None
     _submitted: tuple[list[list[Completion]], float] | None = None  # the default `submit`'s result
@@ -152,7 +154,12 @@ class RolloutEngine(ABC):
     ) -> list[list[Completion]]:
         """`n` completions for each prompt, as `result[prompt][sample]`. `seed`: the sampler's random
         stream for this call (the same seed and weights give the same samples); None: the engine's
-        own running stream."""
+        own running stream.
+
+        An engine with `stops_on_sequences` also takes `stop` (token-id sequences that end a
+        completion, kept in it, like an EOS that does not finish it) and `max_new_tokens` (this call's
+        limit instead of the sampling config's): what multi-turn rollouts with tools need
+        (`loorl.rollout.multi_turn`)."""
 
     # ---- sampling ahead (rollout.async_steps=1) --------------------------------------------------
     # `submit` starts a generation with the weights of the last `sync`, `receive` returns its completions
@@ -176,12 +183,18 @@ class RolloutEngine(ABC):
         """Free what outlives a run (a sampler process); default: nothing."""
         return None
 
-    def cut_at_eos(self, tokens: list[int], logprobs: list[float]) -> Completion:
-        """The completion up to and including its first end-of-sequence id (any of them)."""
+    def cut_at_eos(
+        self, tokens: list[int], logprobs: list[float], stop: list[list[int]] | None = None
+    ) -> Completion:
+        """The completion up to and including its first end-of-sequence id (any of them), or the end of
+        the first of the `stop` sequences (a tool call's closing tag: not finished, the sample goes on)."""
         stops = set(self.eos_token_ids)
+        sequences = [q for q in stop or [] if q]
         for i, t in enumerate(tokens):
             if t in stops:
                 return Completion(tokens[: i + 1], logprobs[: i + 1], True)
+            if any(i + 1 >= len(q) and tokens[i + 1 - len(q) : i + 1] == q for q in sequences):
+                return Completion(tokens[: i + 1], logprobs[: i + 1], False)
         return Completion(tokens, logprobs, False)
 
 

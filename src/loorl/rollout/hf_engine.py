@@ -96,6 +96,7 @@ CACHE_BUCKET = 64  # a static cache's length is rounded up to this, so prompts o
 class HFEngine(RolloutEngine):
     name = "hf"
     generates_in_trainer_precision = True  # the live policy: under bf16-mixed, bf16 as in training_step
+    stops_on_sequences = True  # `generate(stop=..., max_new_tokens=...)`: multi-turn rollouts with tools
 
     @classmethod
     def check(cls, ctx: EngineContext) -> None:
@@ -174,7 +175,14 @@ class HFEngine(RolloutEngine):
 
     @torch.no_grad()
     def generate(
-        self, prompt_ids: list[list[int]], *, n: int, greedy: bool = False, seed: int | None = None
+        self,
+        prompt_ids: list[list[int]],
+        *,
+        n: int,
+        greedy: bool = False,
+        seed: int | None = None,
+        stop: list[list[int]] | None = None,
+        max_new_tokens: int | None = None,
     ) -> list[list[Completion]]:
         if self.model is None:
             raise RuntimeError("HFEngine.generate called before sync(policy)")
@@ -184,10 +192,20 @@ class HFEngine(RolloutEngine):
         if seed is not None:
             device = next(self.model.parameters()).device
             generator = torch.Generator(device=device).manual_seed(seed)
-        return self._generate(prompt_ids, n=n, greedy=greedy, generator=generator)
+        limit = self.sampling.max_new_tokens if max_new_tokens is None else max_new_tokens
+        return self._generate(
+            prompt_ids, n=n, greedy=greedy, generator=generator, stop=stop or [], limit=limit
+        )
 
     def _generate(
-        self, prompt_ids: list[list[int]], *, n: int, greedy: bool, generator
+        self,
+        prompt_ids: list[list[int]],
+        *,
+        n: int,
+        greedy: bool,
+        generator,
+        stop: list[list[int]],
+        limit: int,
     ) -> list[list[Completion]]:
         was_training = self.model.training
         self.model.eval()
@@ -207,9 +225,10 @@ class HFEngine(RolloutEngine):
                     ids.to(device),
                     mask.to(device),
                     sampling=None if greedy else self.sampling,
-                    max_new_tokens=self.sampling.max_new_tokens,
+                    max_new_tokens=limit,
                     prefill_group=n if self.share_prompt else 1,
                     eos_token_ids=self.eos_token_ids,
+                    stop_sequences=stop,
                     pad_token_id=self.pad_token_id,
                     generator=generator,
                     cache="dynamic" if self.decoding == "dynamic" else "static",
@@ -218,7 +237,7 @@ class HFEngine(RolloutEngine):
                     check_every=CUDA_CHECK_EVERY if device.type == "cuda" else 1,
                 )  # [b, C], [b, C]
             for t, lp in zip(tokens.tolist(), logprobs.tolist()):
-                out.append(self.cut_at_eos(t, lp))
+                out.append(self.cut_at_eos(t, lp, stop))
         if was_training:
             self.model.train()
         return [out[g * n : (g + 1) * n] for g in range(len(prompt_ids))]
@@ -300,6 +319,7 @@ def decode(
     step=one_token_logits,
     check_every: int = 1,
     caches: StaticCachePool | None = None,
+    stop_sequences: list[list[int]] = (),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Completions of left-padded prompts `ids`, `mask` [b, P]: tokens and their log-probs [b, C].
 
@@ -312,6 +332,8 @@ def decode(
     the one-token step (`one_token_logits`, or a compiled version of it). `check_every`: tokens between
     checks that every row has ended (each one a host sync on CUDA); the samples do not depend on it.
     `caches`: where a static cache is taken from and kept for the next call (None: a new one).
+    `stop_sequences`: token-id sequences that also end a row once its last tokens are one of them
+    (a tool call's closing tag, `loorl.tools`); the caller cuts each row after its first stop.
     """
     from transformers import DynamicCache
 
@@ -344,6 +366,7 @@ def decode(
                        logits_to_keep=1).logits[:, -1]  # fmt: skip  # [b, V]
     compiled_on_cuda = step is not one_token_logits and ids.device.type == "cuda"
     stops = torch.tensor(eos_token_ids, device=ids.device)
+    sequences = [torch.tensor(q, device=ids.device) for q in stop_sequences if q]  # each [m]
     next_position = positions[:, -1:] + 1  # [b, 1]
     ended = torch.zeros(b, dtype=torch.bool, device=ids.device)  # [b]
     tokens, logprobs = [], []
@@ -361,6 +384,9 @@ def decode(
         tokens.append(token)
         logprobs.append(logp)
         ended |= torch.isin(token, stops)
+        for q in sequences:  # the row's last len(q) tokens are the sequence q
+            if i + 1 >= len(q):
+                ended |= (torch.stack(tokens[i + 1 - len(q) :], dim=1) == q).all(-1)  # [b]
         if i == max_new_tokens - 1 or ((i + 1) % check_every == 0 and bool(ended.all())):
             break
         if cache == "static":

@@ -154,6 +154,10 @@ class RunSummary(L.Callback):
         out["gen_tokens"] = sum(self.series("rollout/gen_tokens"))
         for key in ("rounds", "groups_with_signal", "filler_groups"):  # rl.dynamic_sampling: per-step means
             out[f"dynamic_{key}_mean"] = _mean(self.series(f"dynamic/{key}"))
+        for key in ("calls_per_sample", "used_frac", "errors", "timeouts", "turns_per_sample",
+                    "inserted_tokens"):  # fmt: skip  # multi-turn rollouts with tools: per-step means
+            out[f"tools_{key}_mean"] = _mean(self.series(f"tools/{key}"))
+        out["tools_seconds_mean"] = _mean(self.series("perf/tool_seconds"))
         out |= peak_memory_gb()  # this rank's (rank 0 writes the summary)
         for phase in ("step", *PHASES):  # medians: the first steps pay one-off costs (allocation, caches)
             values = self.series(f"perf/{phase}_seconds")
@@ -210,6 +214,15 @@ class RunSummary(L.Callback):
             value = f"{rounds:.2f} rounds; {signal:.1f} groups with signal, "
             value += f"{s['dynamic_filler_groups_mean']:.1f} without (the rounds ran out)"
             rows.append(("dynamic sampling (per step, mean)", value))
+        if not math.isnan(s["tools_calls_per_sample_mean"]):
+            value = (
+                f"{s['tools_calls_per_sample_mean']:.2f} calls and {s['tools_turns_per_sample_mean']:.2f} "
+                f"turns per sample, {100 * s['tools_used_frac_mean']:.1f}% of samples called one; per step "
+                f"{s['tools_errors_mean']:.1f} errors, {s['tools_timeouts_mean']:.1f} time-outs, "
+                f"{s['tools_seconds_mean']:.2f} tool s, {s['tools_inserted_tokens_mean']:,.0f} tokens "
+                "inserted"
+            )
+            rows.append(("tools (rollouts, mean)", value))
         rows += list(self.facts.items())
         if not math.isnan(s["step_seconds"]):
             parts = ", ".join(

@@ -52,7 +52,10 @@ log = logging.getLogger(__name__)
 
 
 # the DataModule's per-prompt validation results -> the logged `val/<name>` metrics
-VALIDATION_METRICS = {"correct": "accuracy", "reward": "reward", "pass_k": "pass_at_k", "maj_k": "maj_at_k"}
+VALIDATION_METRICS = {  # tool_used: greedy answers that called a tool (tools.max_turns > 0)
+    "correct": "accuracy", "reward": "reward", "pass_k": "pass_at_k", "maj_k": "maj_at_k",
+    "tool_used": "tool_used_frac",
+}  # fmt: skip
 COUNTED_METRICS = {"unscorable": "unscorable"}  # summed over held-out prompts (and ranks), not averaged
 
 

@@ -1,0 +1,228 @@
+"""Multi-turn rollouts with tools, token in, token out (`tools.max_turns` > 0).
+
+`ToolEngine` wraps the run's engine. A sample is generated in turns: a turn ends at EOS (the sample
+is finished), at the engine's per-turn limit `rollout.max_new_tokens` or the sample's budget
+`tools.max_tokens` (truncated), or on a tool's closing tag (`loorl.tools.ToolSet`). Then the tool
+runs, its result is tokenised once and appended as tokens, and the next turn continues from exactly
+the ids so far: the prompt's, every sampled id as the sampler drew it, and the result ids. Nothing
+sampled is decoded and encoded again (decoding happens only to read a call's text and to grade), so
+what the trainer scores is, id for id, what the sampler drew, conditioned on what it was
+conditioned on. The completion carries `policy_mask` (1 on sampled ids, 0 on result ids), which
+`assemble` turns into the loss mask: result ids carry no loss, no KL, no entropy and no importance
+ratio, while the attention mask keeps them (the policy read them).
+
+After `max_turns` calls a sample goes on without stopping at closing tags (a further call is text),
+so a sample has at most `max_turns + 1` generation turns. The first turn samples each prompt's K
+completions in one call (shared prefill); each later turn continues every open sample in one call,
+with its own seed derived from the call's seed and the turn, so a run and its resume draw the same.
+
+Engines: any engine with `stops_on_sequences` (the HF engine). vLLM's engine does not take
+token-sequence stops yet (untested there: the multi-turn path needs a GPU-less vLLM run with stop
+sequences, left for later); `check_engine` refuses it with one line.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from loorl.errors import ConfigError
+from loorl.rollout.engine import PolicyWeights, RolloutEngine
+from loorl.tools.base import ToolCall
+from loorl.tools.toolset import BoundTool, ToolSet
+from loorl.types import Completion
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Transcript:
+    """One sample being generated: its prompt and everything after it so far."""
+
+    prompt: list[int]
+    ids: list[int] = field(default_factory=list)  # generated and inserted, in order
+    logprobs: list[float] = field(default_factory=list)  # the sampler's; 0.0 on inserted ids
+    policy: list[int] = field(default_factory=list)  # 1 generated, 0 inserted
+    calls: list[ToolCall] = field(default_factory=list)
+    turns: int = 0
+    finished: bool = False  # ended with EOS
+    calling: BoundTool | None = None  # the last turn ended on this tool's closing tag
+    waiting: bool = False  # a result was appended: the next turn continues from it
+    last_turn: list[int] = field(default_factory=list)  # the ids the last turn sampled
+
+    def completion(self) -> Completion:
+        return Completion(self.ids, self.logprobs, self.finished, policy_mask=self.policy,
+                          tool_calls=tuple(self.calls), turns=self.turns)  # fmt: skip
+
+
+def turn_seed(seed: int | None, turn: int, part: int) -> int | None:
+    """The sampler seed of a later turn: a pure function of the call's seed, the turn and which
+    rows (those that may still call a tool, or not)."""
+    if seed is None:
+        return None
+    return int(np.random.SeedSequence([seed, turn, part]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+def check_engine(engine_class: type, name: str) -> None:
+    if not getattr(engine_class, "stops_on_sequences", False):
+        raise ConfigError(
+            f"tools.max_turns > 0 needs an engine that stops on a tool's closing tag, and rollout engine "
+            f"{name} does not (stops_on_sequences): use rollout=hf, or tools.max_turns=0"
+        )
+
+
+class ToolEngine(RolloutEngine):
+    """The run's engine, generating in turns with tools between them (see the module docstring)."""
+
+    def __init__(
+        self, inner: RolloutEngine, toolset: ToolSet, tokenizer, *, max_turns: int, max_tokens: int,
+        workers: int = 2,
+    ) -> None:  # fmt: skip
+        self.inner, self.toolset, self.tokenizer = inner, toolset, tokenizer
+        self.max_turns, self.max_tokens, self.workers = max_turns, max_tokens, workers
+        self.sampling, self.eos_token_ids, self.pad_token_id = (
+            inner.sampling,
+            inner.eos_token_ids,
+            inner.pad_token_id,
+        )
+        self.name = f"{inner.name}+tools"
+        self.generates_in_trainer_precision = inner.generates_in_trainer_precision
+        self.stop_tags = toolset.stop_ids(tokenizer)  # (tool, closing-tag ids) pairs
+        self.stops = [ids for _, ids in self.stop_tags]  # what the engine stops a turn on
+
+    # the wrapped engine's life cycle
+    def sync(self, weights: PolicyWeights, version: int | None = None, *, force: bool = False) -> None:
+        self.inner.sync(weights, version, force=force)
+
+    def sleep(self) -> None:
+        self.inner.sleep()
+
+    def start(self) -> None:
+        self.inner.start()
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def generate(
+        self, prompt_ids: list[list[int]], *, n: int, greedy: bool = False, seed: int | None = None
+    ) -> list[list[Completion]]:
+        samples = [Transcript(list(p)) for p in prompt_ids for _ in range(n)]  # prompt-major
+        per_turn = self.sampling.max_new_tokens
+        first = self.inner.generate(prompt_ids, n=n, greedy=greedy, seed=seed, stop=self.stops,
+                                    max_new_tokens=min(per_turn, self.max_tokens))  # fmt: skip
+        for sample, done in zip(samples, [c for group in first for c in group]):
+            self._take(sample, done)
+        turn = 1
+        while calling := [s for s in samples if s.calling is not None]:
+            self._run_calls(calling)
+            waiting = [s for s in calling if s.waiting]
+            for part, may_call in enumerate((True, False)):  # rows that may still call stop on closing tags
+                rows = [s for s in waiting if (len(s.calls) < self.max_turns) == may_call]
+                if not rows:
+                    continue
+                room = max(self.max_tokens - len(s.ids) for s in rows)
+                out = self.inner.generate(
+                    [s.prompt + s.ids for s in rows], n=1, greedy=greedy, seed=turn_seed(seed, turn, part),
+                    stop=self.stops if may_call else None, max_new_tokens=min(per_turn, room),
+                )  # fmt: skip
+                for sample, group in zip(rows, out):
+                    self._take(sample, group[0])
+            turn += 1
+        for sample in samples:
+            if (unclosed := self.toolset.unclosed(self._text(sample.last_turn))) is not None:
+                sample.calls.append(unclosed)
+        return [[s.completion() for s in samples[g * n : (g + 1) * n]] for g in range(len(prompt_ids))]
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def _take(self, sample: Transcript, turn: Completion) -> None:
+        """Append one turn's sampled ids (cut to the sample's budget) and decide how the turn ended."""
+        room = self.max_tokens - len(sample.ids)
+        ids, logprobs = turn.token_ids[:room], turn.logprobs[:room]
+        cut = len(ids) < len(turn.token_ids)
+        sample.ids += ids
+        sample.logprobs += logprobs
+        sample.policy += [1] * len(ids)
+        sample.turns += 1
+        sample.last_turn = ids
+        sample.finished = turn.finished and not cut
+        may_call = len(sample.calls) < self.max_turns
+        sample.calling = (
+            None if (cut or turn.finished or not may_call) else self.toolset.closed_by(ids, self.stop_tags)
+        )
+        sample.waiting = False
+
+    def _run_calls(self, samples: list[Transcript]) -> None:
+        """Run each sample's call (at most `workers` at a time) and append its result ids, or end the
+        sample when they do not fit in its budget with one more token."""
+        texts = [self._text(s.last_turn) for s in samples]
+        with ThreadPoolExecutor(max_workers=self.workers) as pool:
+            calls = list(
+                pool.map(lambda st: self.toolset.call_in_turn(st[0].calling, st[1]), zip(samples, texts))
+            )
+        for sample, call in zip(samples, calls):
+            sample.calls.append(call)
+            sample.calling = None
+            result = self.toolset.result_ids(call, self.tokenizer)
+            if len(sample.ids) + len(result) >= self.max_tokens:  # no room to answer: truncated here
+                continue
+            sample.ids += result
+            sample.logprobs += [0.0] * len(result)
+            sample.policy += [0] * len(result)
+            sample.waiting = True
+
+
+TOOL_COUNTS = ("samples", "calls", "used", "errors", "timeouts", "truncated", "unclosed", "turns", "seconds",
+               "generated", "inserted")  # fmt: skip
+
+
+def tool_counts(completions: list[Completion]) -> list[float]:
+    """This rank's sums over its samples, in `TOOL_COUNTS` order (summed over ranks by the caller)."""
+    calls = [call for c in completions for call in c.tool_calls]
+    made = [call for call in calls if call.status != "unclosed"]
+    return [
+        float(len(completions)),
+        float(len(made)),
+        float(sum(any(call.status != "unclosed" for call in c.tool_calls) for c in completions)),
+        float(sum(call.status in ("error", "nested", "unknown") for call in made)),
+        float(sum(call.status == "timeout" for call in made)),
+        float(sum(call.status == "truncated" for call in made)),
+        float(sum(call.status == "unclosed" for call in calls)),
+        float(sum(c.turns for c in completions)),
+        float(sum(call.seconds for call in made)),
+        float(sum(len(c.token_ids) - c.inserted for c in completions)),
+        float(sum(c.inserted for c in completions)),
+    ]
+
+
+def tool_stats(counts: list[float]) -> dict[str, float]:
+    """The step's `tools/*` metrics from the summed `tool_counts`."""
+    n = dict(zip(TOOL_COUNTS, counts))
+    samples = max(n["samples"], 1.0)
+    return {
+        "tools/calls_per_sample": n["calls"] / samples,
+        "tools/used_frac": n["used"] / samples,  # samples that called a tool at least once
+        "tools/errors": n[
+            "errors"
+        ],  # calls whose tool raised, or that were malformed (nested, no opening tag)
+        "tools/timeouts": n["timeouts"],
+        "tools/truncated": n["truncated"],  # results cut to tools.max_result_chars
+        "tools/unclosed": n["unclosed"],  # calls opened and never closed (the sample ended first)
+        "tools/turns_per_sample": n["turns"] / samples,
+        "perf/tool_seconds": n["seconds"],  # the calls' own seconds, summed (tools.workers run at a time)
+        "tools/generated_tokens": n["generated"],
+        "tools/inserted_tokens": n["inserted"],
+    }
+
+
+def used_a_tool(groups: list[list[Completion]]) -> torch.Tensor | None:
+    """[B] 1.0 where the group's first completion made a tool call (validation's greedy answers); None
+    for completions of a run without tools."""
+    if not any(g[0].policy_mask is not None for g in groups):
+        return None
+    return torch.tensor([float(any(c.status != "unclosed" for c in g[0].tool_calls)) for g in groups])

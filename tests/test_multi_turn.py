@@ -1,0 +1,208 @@
+"""Multi-turn rollouts with tools on the real tiny model and the HF engine: token in, token out (the
+trainer's log-probs of the policy's own tokens equal the sampler's), result tokens out of the loss,
+the KL and the entropy, budgets and seeds."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from fixtures import tiny_parts
+from loorl.algo.logprobs import completion_logprobs
+from loorl.build import build_datamodule, build_module
+from loorl.rollout.batch import assemble
+from loorl.rollout.hf_engine import HFEngine
+from loorl.rollout.multi_turn import ToolEngine
+from loorl.tools.calculator import Calculator
+from loorl.tools.toolset import BoundTool, ToolSet
+from loorl.types import SamplingConfig
+
+# Tags the warm-started tiny model writes on its own: its answers are digits, so a turn that writes a
+# "2" closes a call opened by a "1" (a call whose text is not arithmetic is an error, whose result is
+# inserted all the same). Real tags are longer (`tools=calculator`: <calc>...</calc>).
+DIGIT_TAGS = BoundTool("calculator", Calculator(), "1", "2")
+RESULT = "[{result}]"
+
+
+@pytest.fixture(scope="module")
+def tiny(quick_config):
+    return tiny_parts(quick_config())
+
+
+def _tool_engine(tok, model, *, max_turns=3, per_turn=8, max_tokens=48, temperature=1.0):
+    inner = HFEngine(SamplingConfig(max_new_tokens=per_turn, temperature=temperature),
+                     eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)  # fmt: skip
+    toolset = ToolSet([DIGIT_TAGS], timeout_s=5, max_result_chars=16, result_format=RESULT)
+    engine = ToolEngine(inner, toolset, tok, max_turns=max_turns, max_tokens=max_tokens)
+    engine.sync(model)
+    return engine
+
+
+def _prompt_ids(task, tok, n=6):
+    return [tok(p.text, add_special_tokens=False).input_ids for p in task.eval_prompts()[:n]]
+
+
+def _multi_turn_batch(tiny, **kw):
+    _, task, _, tok, model = tiny
+    engine = _tool_engine(tok, model, **kw)
+    ids = _prompt_ids(task, tok)
+    groups = engine.generate(ids, n=4, seed=3)
+    rewards = torch.zeros(len(ids), 4)
+    batch = assemble(ids, groups, pad_token_id=tok.pad_token_id, rewards=rewards, advantages=rewards)
+    return batch, groups, engine
+
+
+def test_the_trainer_scores_the_policys_own_tokens_as_the_sampler_drew_them(tiny):
+    _, _, _, tok, model = tiny
+    batch, groups, engine = _multi_turn_batch(tiny)
+    flat = [c for g in groups for c in g]
+    calls = [sum(call.status != "unclosed" for call in c.tool_calls) for c in flat]
+    assert max(calls) >= 2, calls  # samples with two tool calls and more
+    recomputed = completion_logprobs(model, batch, sampling=engine.sampling)  # [N, C]
+    own = batch.completion_mask.bool()  # [N, C] the policy's tokens
+    diff = (recomputed - batch.sampler_logprobs)[own].abs()  # [tokens]
+    assert diff.max() < 1e-4, diff.max()
+    most = max(range(len(flat)), key=calls.__getitem__)
+    mine = own[most] & batch.attention_mask[most, batch.prompt_len :].bool()
+    assert (recomputed - batch.sampler_logprobs)[most][mine].abs().max() < 1e-4
+    print(f"largest |log-prob difference| on policy tokens {diff.max().item():.2e}; "
+          f"{calls[most]} tool calls in the sample with the most")  # fmt: skip
+    for c in flat:  # every result token is out of the loss, in the attention, with no sampler log-prob
+        assert len(c.policy_mask) == len(c.token_ids) == len(c.logprobs)
+        inserted = [i for i, m in enumerate(c.policy_mask) if m == 0]
+        assert all(c.logprobs[i] == 0.0 for i in inserted)
+    row = most
+    inserted = torch.tensor(flat[row].policy_mask) == 0
+    width = len(flat[row].policy_mask)
+    assert inserted.sum() > 0
+    assert not batch.completion_mask[row, :width][inserted].any()
+    assert batch.attention_mask[row, batch.prompt_len : batch.prompt_len + width][inserted].all()
+
+
+def test_each_turn_conditions_on_the_result_ids_exactly(tiny):
+    """The transcript is the prompt, the sampled ids and the result ids, in order: each inserted run of
+    ids is its call's result tokenised once, and the next turn starts right after it."""
+    _, _, _, tok, _ = tiny
+    _, groups, engine = _multi_turn_batch(tiny)
+    for c in (c for g in groups for c in g):
+        done = [call for call in c.tool_calls if call.status != "unclosed"]
+        runs, start = [], None
+        for i, m in enumerate([*c.policy_mask, 1]):
+            if m == 0 and start is None:
+                start = i
+            elif m == 1 and start is not None:
+                runs.append(c.token_ids[start:i])
+                start = None
+        assert len(runs) <= len(done)  # a call whose result did not fit in the budget ended the sample
+        assert runs == [engine.toolset.result_ids(call, tok) for call in done[: len(runs)]]
+        if c.finished:  # it answered after its last result: every call's result is in the transcript
+            assert len(runs) == len(done) and c.turns == len(done) + 1
+
+
+def test_a_sample_stays_within_its_budget_and_turn_limit(tiny):
+    _, groups, _ = _multi_turn_batch(tiny, max_turns=1, max_tokens=20)
+    flat = [c for g in groups for c in g]
+    assert all(len(c.token_ids) <= 20 for c in flat)
+    assert all(sum(call.status != "unclosed" for call in c.tool_calls) <= 1 for c in flat)
+    assert all(c.turns <= 2 for c in flat)
+    assert any(len(c.tool_calls) == 1 for c in flat)
+
+
+def test_seeded_multi_turn_generation_repeats_and_greedy_works(tiny):
+    _, task, _, tok, model = tiny
+    engine = _tool_engine(tok, model)
+    ids = _prompt_ids(task, tok)
+    a = [[(c.token_ids, c.policy_mask) for c in g] for g in engine.generate(ids, n=4, seed=5)]
+    b = [[(c.token_ids, c.policy_mask) for c in g] for g in engine.generate(ids, n=4, seed=5)]
+    assert a == b
+    greedy = engine.generate(ids, n=1, greedy=True)
+    assert all(len(g) == 1 and g[0].token_ids for g in greedy)
+
+
+def _grads(module):
+    return torch.cat([p.grad.flatten() for p in module.policy.parameters() if p.grad is not None])
+
+
+def test_result_tokens_never_enter_the_loss_the_kl_or_the_entropy(quick_config, tiny):
+    """The loss mask is what keeps them out (putting them in changes the gradient), and whatever sits
+    on their positions of the sampler's, the old and the reference log-probs changes nothing."""
+    _, _, path, _, _ = tiny
+    batch, groups, _ = _multi_turn_batch(tiny)
+    n = batch.input_ids.shape[0]
+    batch.advantages = torch.linspace(-1.0, 1.0, n)  # [N]
+    inserted = torch.zeros_like(batch.completion_mask, dtype=torch.bool)  # [N, C]
+    for i, c in enumerate(c for g in groups for c in g):
+        inserted[i, : len(c.policy_mask)] = torch.tensor(c.policy_mask) == 0
+    assert inserted.any()
+
+    settings = ("kl.coef=0.1", "kl.in_reward=false", "kl.estimator=k3", "loss.tis_cap=2.0")
+
+    def grads_and_stats(b, *, huge=False):
+        """The gradient and statistics of one pass with a KL loss term against a reference 0.05 nats
+        off; `huge`: 1e6 on the result positions of the sampler's and the reference's log-probs."""
+        module = build_module(quick_config(*settings), path)
+        module.configure_model()
+        with torch.no_grad():
+            ref = completion_logprobs(module.policy, b, sampling=module.sampling) - 0.05  # [N, C]
+        sampler = b.sampler_logprobs
+        if huge:
+            ref, sampler = torch.where(inserted, 1e6, ref), torch.where(inserted, 1e6, sampler)
+        b = replace(b, ref_logprobs=ref, sampler_logprobs=sampler)
+        stats = module.accumulate_gradients(b, lambda loss: loss.backward())
+        return _grads(module), stats
+
+    base, base_stats = grads_and_stats(batch)
+    moved, moved_stats = grads_and_stats(batch, huge=True)
+    assert torch.equal(base, moved)
+    assert base_stats.tokens == moved_stats.tokens and base_stats.entropy == moved_stats.entropy
+    leaked = replace(batch, completion_mask=torch.where(inserted, 1.0, batch.completion_mask))
+    assert not torch.allclose(grads_and_stats(leaked)[0], base)
+
+
+# ---- the DataModule with tools=calculator on digit tags --------------------------------------------
+DIGIT_TOOLS = (
+    "tools=calculator",
+    "tools.available.calculator.start='1'",
+    "tools.available.calculator.end='2'",
+    "tools.result_format='[{result}]'",
+    "tools.max_turns=3",
+    "tools.max_tokens=40",
+)
+
+
+def test_the_datamodule_samples_in_turns_and_logs_the_tools(quick_config, tiny):
+    _, task, path, tok, model = tiny
+    dm = build_datamodule(quick_config(*DIGIT_TOOLS), task, tok, path)
+    assert isinstance(dm.engine, ToolEngine)
+    dm.engine.sync(model)
+    rollout = dm.collect(step=1)
+    stats, batch = rollout.stats, rollout.batch
+    n = batch.input_ids.shape[0]
+    assert stats["tools/calls_per_sample"] > 0 and 0 < stats["tools/used_frac"] <= 1
+    assert stats["tools/inserted_tokens"] > 0 and stats["tools/turns_per_sample"] > 1
+    completion = batch.attention_mask[:, batch.prompt_len :].sum()  # every completion token, results included
+    assert stats["tools/generated_tokens"] + stats["tools/inserted_tokens"] == completion
+    assert stats["rollout/gen_tokens"] == stats["tools/generated_tokens"]  # results are not generated
+    assert batch.completion_mask.sum() <= stats["tools/generated_tokens"]
+    assert stats["rollout/completion_len"] == pytest.approx(stats["tools/generated_tokens"] / n)
+    results = dm.heldout_results(task.eval_prompts()[:8])
+    assert results["tool_used"] is not None and results["tool_used"].shape == (8,)
+
+
+def test_max_turns_zero_is_the_run_without_tools(quick_config, tiny):
+    """tools.max_turns=0 builds no tool engine: the rollout is the plain engine's, with no tools/ metric."""
+    _, task, path, tok, model = tiny
+    plain = build_datamodule(quick_config(), task, tok, path)
+    off = build_datamodule(quick_config("tools=calculator", "tools.max_turns=0"), task, tok, path)
+    assert type(off.engine) is type(plain.engine) is HFEngine
+    for dm in (plain, off):
+        dm.engine.sync(model)
+    a, b = plain.collect(step=1), off.collect(step=1)
+    assert torch.equal(a.batch.input_ids, b.batch.input_ids) and a.stats.keys() == b.stats.keys()
+    assert {k: v for k, v in a.stats.items() if not k.startswith("perf/")} == {
+        k: v for k, v in b.stats.items() if not k.startswith("perf/")
+    }
+    assert not any(k.startswith("tools/") for k in a.stats)
+    assert plain.heldout_results(task.eval_prompts()[:4])["tool_used"] is None
