@@ -27,7 +27,7 @@ LAYERS = [
     + ["loorl.distributed", "loorl.fsdp"],
     ["loorl.algo"] + [f"loorl.{m}" for m in ("masked", "estimators", "losses", "logprobs", "evaluation")],
     ["loorl.settings", "loorl.resolvers"],
-    ["loorl.sandbox", "loorl.tasks"],
+    ["loorl.sandbox", "loorl.tasks", "loorl.tools"],
     ["loorl.models", "loorl.gguf_models"],
     ["loorl.rewards", "loorl.reward_model", "loorl.reward_library"],
     ["loorl.rollout"],
