@@ -142,7 +142,10 @@ CASES = [
     (["tools=calculator", "tools.insert=chat"], "tools.insert", ["chat", "template"]),
     (["tools=calculator", "rollout=vllm"], "tools.max_turns > 0", ["rollout=hf", "tools.max_turns=0"]),
     (
-        ["tools=calculator", "+tools.available.abacus={_target_: loorl.tools.Calculator, start: a, end: 'c>'}"],  # noqa: E501
+        [
+            "tools=calculator",
+            "+tools.available.abacus={_target_: loorl.tools.Calculator, start: a, end: 'c>'}",
+        ],
         "tools.available.abacus.end='c>'",
         ["ends like tools.available.calculator.end"],
     ),
