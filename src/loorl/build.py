@@ -17,7 +17,7 @@ from typing import Any
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from loorl.config import Settings, load_settings, sampler_placement_of
+from loorl.config import Settings, checked_toolset, load_settings, sampler_placement_of
 from loorl.errors import ConfigError
 from loorl.models.load import load_tokenizer
 from loorl.models.sources import model_identity, resolve_model_path
@@ -90,9 +90,8 @@ def build_datamodule(
         share_prompt=s.rl.share_prompt,
         cuda=s.on_cuda,
     )
-    if (
-        s.tools.max_turns
-    ):  # multi-turn rollouts: tools run between turns (in the sampler process, one step off)
+    # multi-turn rollouts: tools run between turns (in the sampler process, one step off)
+    if s.tools.max_turns:
         engine = tool_engine(engine, s, tokenizer)
     placement = sampler_placement_of(s)
     if placement is not None:  # one step off, sampled in a process of its own while the trainer trains
@@ -114,12 +113,10 @@ def build_datamodule(
 
 def tool_engine(engine, s: Settings, tokenizer):
     """The run's engine wrapped to generate in turns with the tools of `tools.available`."""
-    from loorl.rollout.multi_turn import ToolEngine, check_engine
-    from loorl.tools.toolset import build_toolset, check_tags, insertion
+    from loorl.rollout.multi_turn import ToolEngine
+    from loorl.tools.toolset import insertion
 
-    check_engine(type(engine), engine.name)
-    toolset = build_toolset(s.tools)
-    check_tags(tokenizer, toolset.tools, result_format=s.tools.result_format)
+    toolset = checked_toolset(s, type(engine), tokenizer)
     toolset.template_ids, how = insertion(tokenizer, s.tools.insert)
     budget = s.tools.budget(s.rollout.max_new_tokens)
     names = ", ".join(f"{t.name} ({t.start}...{t.end})" for t in toolset.tools)

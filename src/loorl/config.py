@@ -160,10 +160,11 @@ def check_config(cfg: DictConfig) -> Settings:
     return s
 
 
-def check_tools(s: Settings, engine: type) -> None:
-    """Multi-turn rollouts: an engine that stops on a tool's closing tag, tools that import, a budget
-    of at least one turn, and closing tags the tokenizer can end a turn on (where the tokenizer can be
-    had without building the model: the tiny model's, or a local model folder's)."""
+def checked_toolset(s: Settings, engine: type, tokenizer=None):
+    """The run's `ToolSet`, once its rules hold: an engine that stops on a tool's closing tag, tools
+    that import, a budget of at least one turn, and (given the tokenizer) closing tags the tokenizer
+    can end a turn on. `check_tools` calls it before any model loads, `build.tool_engine` when the
+    engine is built (where the tokenizer of a hub model is first at hand)."""
     from loorl.rollout.multi_turn import check_engine
     from loorl.tools.toolset import build_toolset, check_tags
 
@@ -176,7 +177,16 @@ def check_tools(s: Settings, engine: type) -> None:
             f"{turn * (s.tools.max_turns + 1)}"
         )
     toolset = build_toolset(s.tools)
+    if tokenizer is not None:
+        check_tags(tokenizer, toolset.tools, result_format=s.tools.result_format)
+    return toolset
+
+
+def check_tools(s: Settings, engine: type) -> None:
+    """`checked_toolset` with the tokenizer where it can be had without building the model: the tiny
+    model's, or a local model folder's (a hub model's tags are checked when the engine is built)."""
     path = pretrained_path(s.model)
+    tokenizer = None
     if path is None:
         from loorl.models.tiny import build_char_tokenizer
 
@@ -185,9 +195,7 @@ def check_tools(s: Settings, engine: type) -> None:
         from loorl.models.load import load_tokenizer
 
         tokenizer = load_tokenizer(path)
-    else:  # a hub name: checked when the run builds its engine
-        return
-    check_tags(tokenizer, toolset.tools, result_format=s.tools.result_format)
+    checked_toolset(s, engine, tokenizer)
 
 
 def sampler_placement_of(s: Settings):

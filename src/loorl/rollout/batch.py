@@ -33,9 +33,8 @@ def assemble(
     logprobs, _ = pad([c.logprobs for c in flat], value=0.0, side="right", width=c_len, dtype=torch.float)
     in_loss = torch.tensor([c.finished or loss_on_truncated for c in flat]).unsqueeze(-1)  # [N, 1]
     loss_mask = token_mask  # [N, C]
-    if any(
-        c.policy_mask is not None for c in flat
-    ):  # multi-turn: inserted tokens (tool results) carry no loss
+    # multi-turn: inserted tokens (tool results) carry no loss
+    if any(c.policy_mask is not None for c in flat):
         own = [c.policy_mask if c.policy_mask is not None else [1] * len(c.token_ids) for c in flat]
         policy, _ = pad(own, value=0, side="right", width=c_len)  # [N, C] 1 on the policy's own tokens
         loss_mask = token_mask * policy  # the attention mask keeps the results: the policy saw them

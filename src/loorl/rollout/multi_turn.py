@@ -23,7 +23,6 @@ sequences, left for later); `check_engine` refuses it with one line.
 
 from __future__ import annotations
 
-import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -35,8 +34,6 @@ from loorl.rollout.engine import PolicyWeights, RolloutEngine
 from loorl.tools.base import ToolCall
 from loorl.tools.toolset import BoundTool, ToolSet
 from loorl.types import Completion
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -184,15 +181,15 @@ TOOL_COUNTS = ("samples", "calls", "used", "errors", "timeouts", "truncated", "u
 def tool_counts(completions: list[Completion]) -> list[float]:
     """This rank's sums over its samples, in `TOOL_COUNTS` order (summed over ranks by the caller)."""
     calls = [call for c in completions for call in c.tool_calls]
-    made = [call for call in calls if call.status != "unclosed"]
+    made = [call for call in calls if call.made]
     return [
         float(len(completions)),
         float(len(made)),
-        float(sum(any(call.status != "unclosed" for call in c.tool_calls) for c in completions)),
-        float(sum(call.status in ("error", "nested", "unknown") for call in made)),
+        float(sum(any(call.made for call in c.tool_calls) for c in completions)),
+        float(sum(call.status in ("error", "nested") for call in made)),
         float(sum(call.status == "timeout" for call in made)),
         float(sum(call.status == "truncated" for call in made)),
-        float(sum(call.status == "unclosed" for call in calls)),
+        float(sum(not call.made for call in calls)),
         float(sum(c.turns for c in completions)),
         float(sum(call.seconds for call in made)),
         float(sum(len(c.token_ids) - c.inserted for c in completions)),
@@ -207,9 +204,8 @@ def tool_stats(counts: list[float]) -> dict[str, float]:
     return {
         "tools/calls_per_sample": n["calls"] / samples,
         "tools/used_frac": n["used"] / samples,  # samples that called a tool at least once
-        "tools/errors": n[
-            "errors"
-        ],  # calls whose tool raised, or that were malformed (nested, no opening tag)
+        # calls whose tool raised, or that were malformed (nested, no opening tag)
+        "tools/errors": n["errors"],
         "tools/timeouts": n["timeouts"],
         "tools/truncated": n["truncated"],  # results cut to tools.max_result_chars
         "tools/unclosed": n["unclosed"],  # calls opened and never closed (the sample ended first)
@@ -225,4 +221,4 @@ def used_a_tool(groups: list[list[Completion]]) -> torch.Tensor | None:
     for completions of a run without tools."""
     if not any(g[0].policy_mask is not None for g in groups):
         return None
-    return torch.tensor([float(any(c.status != "unclosed" for c in g[0].tool_calls)) for g in groups])
+    return torch.tensor([float(any(call.made for call in g[0].tool_calls)) for g in groups])

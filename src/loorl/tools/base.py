@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 # ToolCall.status values; `ok` is the only one whose result is the tool's own full answer
-STATUSES = ("ok", "error", "timeout", "truncated", "unclosed", "nested", "unknown")
+STATUSES = ("ok", "error", "timeout", "truncated", "unclosed", "nested")
 
 
 class ToolError(Exception):
@@ -49,13 +49,13 @@ class ToolCall:
     seconds: float = 0.0
 
     @property
+    def made(self) -> bool:
+        """The policy closed the call (an unclosed one was only opened): it counts as a call."""
+        return self.status != "unclosed"
+
+    @property
     def failed(self) -> bool:
-        return self.status in ("error", "timeout", "unclosed", "nested", "unknown")
-
-
-def tool_name(tool: Callable) -> str:
-    """The name a tool is known by: its `name`, else its function or class name."""
-    return getattr(tool, "name", None) or getattr(tool, "__name__", None) or type(tool).__name__
+        return self.status in ("error", "timeout", "unclosed", "nested")
 
 
 def _call_in_thread(tool: Callable, text: str, timeout_s: float) -> tuple[bool, object, BaseException | None]:

@@ -44,8 +44,8 @@ def _power(base: Fraction, exponent: Fraction) -> Fraction:
 def _value(node: ast.AST) -> Fraction:
     if isinstance(node, ast.Expression):
         return _value(node.body)
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        # a float literal's text is taken as written (ast keeps only the float): see `evaluate`
+    # decimals arrive as (n / 10^k) (`_exact_decimals`): the only literals left are integers
+    if isinstance(node, ast.Constant) and type(node.value) is int:
         return Fraction(node.value)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.UAdd | ast.USub):
         value = _value(node.operand)
@@ -118,14 +118,9 @@ def format_number(value: Fraction) -> str:
     else rounded to `DECIMALS` places. No exponent notation, no trailing zeros."""
     if value.denominator == 1:
         return str(value.numerator)
-    d = value.denominator
-    for p in (2, 5):
-        while d % p == 0:
-            d //= p
-    # terminating: exactly the places it needs (the larger power of 2 or 5 in the denominator)
-    places = (
-        max(_multiplicity(value.denominator, 2), _multiplicity(value.denominator, 5)) if d == 1 else DECIMALS
-    )
+    twos, fives = _multiplicity(value.denominator, 2), _multiplicity(value.denominator, 5)
+    terminating = value.denominator == 2**twos * 5**fives
+    places = max(twos, fives) if terminating else DECIMALS  # terminating: exactly the places it needs
     scaled = round(value * 10**places)  # half to even
     sign = "-" if scaled < 0 else ""
     digits = str(abs(scaled)).rjust(places + 1, "0")
