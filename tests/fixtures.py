@@ -21,6 +21,8 @@ import pytest
 import torch
 
 from loorl.errors import ConfigError
+from loorl.tools.calculator import Calculator
+from loorl.tools.toolset import BoundTool
 from loorl.util.wheels import fetch_wheel
 
 # Overrides that run training on the CPU with the HF engine wherever the tests run. For figures that
@@ -28,6 +30,21 @@ from loorl.util.wheels import fetch_wheel
 # so two runs (or a run and its resume) are statistically, not bitwise, the same; and with
 # rollout=auto the engine follows the machine (vLLM where CUDA and vllm are), not the trainer.
 ON_CPU = ("trainer.accelerator=cpu", "rollout=hf")
+
+# Tool tags the warm-started tiny model writes on its own (tests/test_multi_turn.py, test_vllm.py): its
+# answers are digits, so a turn that writes a "2" closes a call opened by a "1" (a call whose text is
+# not arithmetic is an error, whose result is inserted all the same). Real tags are longer
+# (`tools=calculator`: <calc>...</calc>).
+DIGIT_TAGS = BoundTool("calculator", Calculator(), "1", "2")
+RESULT = "[{result}]"
+DIGIT_TOOLS = (  # the same as config overrides
+    "tools=calculator",
+    "tools.available.calculator.start='1'",
+    "tools.available.calculator.end='2'",
+    "tools.result_format='[{result}]'",
+    "tools.max_turns=3",
+    "tools.max_tokens=40",
+)
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 

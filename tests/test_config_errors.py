@@ -140,7 +140,11 @@ CASES = [
     (["tools=calculator", "tools.result_format=x"], "tools.result_format", ["{result}"]),
     (["tools=none", "tools.max_turns=2"], "tools.max_turns > 0", ["tools.available"]),
     (["tools=calculator", "tools.insert=chat"], "tools.insert", ["chat", "template"]),
-    (["tools=calculator", "rollout=vllm"], "tools.max_turns > 0", ["rollout=hf", "tools.max_turns=0"]),
+    (
+        ["tools=calculator", "rollout._target_=plugins.engines.GenerateEngine"],
+        "tools.max_turns > 0",
+        ["stops_on_sequences", "rollout=hf", "rollout=vllm", "tools.max_turns=0"],
+    ),
     (
         [
             "tools=calculator",

@@ -9,21 +9,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fixtures import tiny_parts
+from fixtures import DIGIT_TAGS, DIGIT_TOOLS, RESULT, tiny_parts
 from loorl.algo.logprobs import completion_logprobs
 from loorl.build import build_datamodule, build_module
 from loorl.rollout.batch import assemble
 from loorl.rollout.hf_engine import HFEngine
 from loorl.rollout.multi_turn import ToolEngine
-from loorl.tools.calculator import Calculator
-from loorl.tools.toolset import BoundTool, ToolSet
+from loorl.tools.toolset import ToolSet
 from loorl.types import SamplingConfig
-
-# Tags the warm-started tiny model writes on its own: its answers are digits, so a turn that writes a
-# "2" closes a call opened by a "1" (a call whose text is not arithmetic is an error, whose result is
-# inserted all the same). Real tags are longer (`tools=calculator`: <calc>...</calc>).
-DIGIT_TAGS = BoundTool("calculator", Calculator(), "1", "2")
-RESULT = "[{result}]"
 
 
 @pytest.fixture(scope="module")
@@ -162,14 +155,6 @@ def test_result_tokens_never_enter_the_loss_the_kl_or_the_entropy(quick_config, 
 
 
 # ---- the DataModule with tools=calculator on digit tags --------------------------------------------
-DIGIT_TOOLS = (
-    "tools=calculator",
-    "tools.available.calculator.start='1'",
-    "tools.available.calculator.end='2'",
-    "tools.result_format='[{result}]'",
-    "tools.max_turns=3",
-    "tools.max_tokens=40",
-)
 
 
 def test_the_datamodule_samples_in_turns_and_logs_the_tools(quick_config, tiny):

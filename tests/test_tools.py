@@ -164,6 +164,21 @@ def test_a_tag_written_with_the_space_before_it_ends_a_turn_too():
     assert spaced[-len(variants[1]) :] == variants[1] and tools.closed_by(spaced, tools.stop_ids(tok)) is CALC
 
 
+def test_a_tag_that_ends_inside_a_token_closes_the_call_from_the_text():
+    """vLLM matches a multi-token tag as a stop string on its text: the turn may end on a token that holds
+    the tag's last characters and more (`><`). The ids do not end with a variant of the tag, the text
+    does close the call, and the call is what lies between the tags."""
+    tok = _merging_tokenizer()
+    tools = _toolset(CALC)
+    turn = tok.encode("so <calc>2*3</calc><", add_special_tokens=False)
+    assert tok.decode(turn[-1:]) == "><"
+    assert tools.closed_by(turn, tools.stop_ids(tok)) is None
+    assert tools.closed_in_text(tok.decode(turn), tok.decode(turn[:-1])) is CALC
+    assert tools.closed_in_text(tok.decode(turn[:-1]), tok.decode(turn[:-2])) is None  # not closed yet
+    call = tools.call_in_turn(CALC, tok.decode(turn))
+    assert (call.text, call.result, call.status) == ("2*3", "6", "ok")
+
+
 def test_tags_that_merge_with_the_result_or_overlap_are_refused():
     tok = build_char_tokenizer()
     with pytest.raises(ConfigError, match="ends like tools.available.calculator.end"):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from hydra.utils import instantiate
 
+from fixtures import DIGIT_TOOLS, RESULT
 from loorl.algo.logprobs import completion_logprobs
 from loorl.build import build_datamodule, build_module
 from loorl.cli.train import train
@@ -17,6 +20,9 @@ from loorl.rollout.batch import assemble
 from loorl.rollout.engine import PolicyWeights
 from loorl.rollout.factory import build_engine, resolve_engine
 from loorl.rollout.hf_engine import HFEngine
+from loorl.rollout.multi_turn import ToolEngine
+from loorl.tools.calculator import Calculator
+from loorl.tools.toolset import BoundTool, ToolSet
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
@@ -182,3 +188,70 @@ def test_seeded_sampling_of_long_prompts_runs_on_cpu(setup):
     assert [c.token_ids for c in engine.generate(long_prompts[:2], n=4, seed=3)[0]] == [
         c.token_ids for c in engine.generate(long_prompts[:2], n=4, seed=3)[0]
     ]  # still reproducible
+
+
+# ---- multi-turn rollouts with tools on vLLM ---------------------------------------------------------
+def test_vllm_multi_turn_samples_are_what_the_trainer_scores(quick_config, setup):
+    """tools.max_turns > 0 with rollout=vllm (one-token digit tags: vLLM stops on them as stop ids): the
+    trainer's log-probs of the policy's own tokens equal the sampler's to the single-turn bound (1e-4)
+    in samples with two tool calls and more, and each result is in the transcript as its ids."""
+    _, task, tok, module, dm = setup
+    cfg = quick_config("rollout=vllm", *DIGIT_TOOLS)
+    built = build_datamodule(cfg, task, tok, str(ensure_tiny_model(cfg.model, cfg.task, task))).engine
+    assert isinstance(built, ToolEngine) and built.inner.name == "vllm"
+    assert built.inner.arguments()["max_model_len"] == 256 + 40  # the prompt limit + the tools budget
+    # generate with the module's started vLLM engine (one vLLM start per module: ~30 s on CPU)
+    engine = ToolEngine(dm.engine, built.toolset, tok, max_turns=built.max_turns, max_tokens=built.max_tokens)
+    engine.sync(module.policy, version=0)
+    prompts = _ids(tok, task.eval_prompts()[:40])
+    groups = engine.generate(prompts, n=4, seed=3)
+    flat = [c for g in groups for c in g]
+    calls = [sum(call.made for call in c.tool_calls) for c in flat]
+    assert max(calls) >= 2, Counter(calls)
+    b = assemble(prompts, groups, pad_token_id=tok.pad_token_id, rewards=torch.zeros(len(prompts), 4))
+    with torch.no_grad():
+        lp = completion_logprobs(module.policy, b, sampling=engine.sampling)  # [N, C]
+    diff = (lp - b.sampler_logprobs)[b.completion_mask.bool()].abs()  # the policy's own tokens
+    most = max(range(len(flat)), key=calls.__getitem__)
+    print(f"vLLM: largest |log-prob difference| on policy tokens {diff.max().item():.2e}; "
+          f"{calls[most]} tool calls in the sample with the most")  # fmt: skip
+    assert diff.max() < 1e-4
+    for c in flat:
+        inserted = [t for t, m in zip(c.token_ids, c.policy_mask) if m == 0]
+        made = [call for call in c.tool_calls if call.made]
+        expected = [t for call in made for t in engine.toolset.result_ids(call, tok)]
+        assert expected[: len(inserted)] == inserted  # (the last result may not have fitted)
+
+
+def test_vllm_stops_on_a_multi_token_tag_as_the_hf_engine_does(setup):
+    """A closing tag of two tokens (vLLM: a stop string): greedy turns end where the HF engine's end,
+    and a greedy multi-turn transcript (sampled ids, result ids and the mask) is the HF engine's."""
+    _, task, tok, module, dm = setup
+    vllm = dm.engine
+    vllm.sync(module.policy, version=0)
+    hf = HFEngine(vllm.sampling, eos_token_ids=vllm.eos_token_ids, pad_token_id=tok.pad_token_id)
+    hf.sync(module.policy)
+    prompts = _ids(tok, task.eval_prompts()[:120])
+    plain = [g[0].token_ids for g in hf.generate(prompts, n=1, greedy=True)]
+    pairs = Counter(
+        p for ids in plain for p in {tuple(ids[i : i + 2]) for i in range(len(ids) - 2)}
+    )  # no EOS
+    tag = list(pairs.most_common(1)[0][0])  # the two ids in a row in the most completions
+    assert len(tok.decode(tag)) == 2
+    assert vllm._stops([tag]) == ([], [tok.decode(tag)])  # a stop string, not stop ids
+    stopped = [g[0] for g in vllm.generate(prompts, n=1, greedy=True, stop=[tag])]
+    assert [c.token_ids for c in stopped] == [
+        g[0].token_ids for g in hf.generate(prompts, n=1, greedy=True, stop=[tag])
+    ]
+    cut = [c for c in stopped if not c.finished and c.token_ids[-2:] == tag]
+    assert len(cut) >= 8, len(cut)
+    tags = BoundTool("calculator", Calculator(), tok.decode(tag[:1]), tok.decode(tag))
+    transcripts = []
+    for engine in (vllm, hf):
+        toolset = ToolSet([tags], timeout_s=5, max_result_chars=16, result_format=RESULT)
+        multi = ToolEngine(engine, toolset, tok, max_turns=2, max_tokens=32)
+        transcripts.append(
+            [(g[0].token_ids, g[0].policy_mask) for g in multi.generate(prompts, n=1, greedy=True)]
+        )
+    assert transcripts[0] == transcripts[1]
+    assert sum(0 in mask for _, mask in transcripts[0]) >= 8  # results were inserted

@@ -89,6 +89,7 @@ def build_datamodule(
         seed=s.run.seed,
         share_prompt=s.rl.share_prompt,
         cuda=s.on_cuda,
+        completion_tokens=s.tools.budget(s.rollout.max_new_tokens) if s.tools.max_turns else None,
     )
     # multi-turn rollouts: tools run between turns (in the sampler process, one step off)
     if s.tools.max_turns:

