@@ -21,6 +21,15 @@ class Prompt:  # not frozen: Lightning's batch transfer refuses frozen dataclass
 
 
 @dataclass(frozen=True)
+class Segment:
+    """A piece of a warm-start target (`Task.sft_examples`), tokenised on its own as a multi-turn
+    rollout appends it; `trained=False` for what the policy reads but does not write (a tool's result)."""
+
+    text: str
+    trained: bool = True
+
+
+@dataclass(frozen=True)
 class SamplingConfig:
     """The sampler's whole distribution: engines sample from exactly this, and nothing from the
     model's own generation_config.json; the trainer scores with the same temperature and truncation."""

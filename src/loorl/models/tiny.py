@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from loorl.errors import ConfigError
 from loorl.settings import TinyModelSettings
 from loorl.tasks.base import Task
+from loorl.types import Segment
 from loorl.util.build_once import build_once
 from loorl.util.hardware import cpu_capability
 from loorl.util.padding import pad
@@ -52,7 +53,7 @@ def build_char_tokenizer():
 
 # task settings that change neither the prompts nor the warm-start data: tasks that differ only in
 # them share one tiny model (task=arithmetic_offset starts from task=arithmetic's)
-REWARD_ONLY_TASK_KEYS = ("name", "reward_offset")
+REWARD_ONLY_TASK_KEYS = ("name", "reward_offset", "answer_after", "require_tool")
 
 
 def _typed_tiny(tiny) -> TinyModelSettings:
@@ -115,15 +116,21 @@ def _tiny_policy(tiny, tokenizer):
 
 def sft_batch(pairs, tokenizer, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(prompt, answer) pairs -> right-padded ids [B, L] and a target mask [B, L] that is 1 on the
-    answer and its EOS; pairs longer than the model's positions are skipped."""
+    answer and its EOS; pairs longer than the model's positions are skipped. An answer may be a list
+    of `Segment`s, each tokenised on its own (as a multi-turn rollout appends a tool's result) and
+    masked out where `trained` is False."""
     seqs, masks = [], []
     for prompt, answer in pairs:
         p = tokenizer(prompt, add_special_tokens=False).input_ids
-        a = tokenizer(answer, add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        a, m = [], []
+        for segment in [Segment(answer)] if isinstance(answer, str) else answer:
+            ids = tokenizer(segment.text, add_special_tokens=False).input_ids
+            a, m = a + ids, m + [int(segment.trained)] * len(ids)
+        a, m = a + [tokenizer.eos_token_id], m + [1]
         if len(p) + len(a) > max_len:
             continue
         seqs.append(p + a)
-        masks.append([0] * len(p) + [1] * len(a))
+        masks.append([0] * len(p) + m)
     if not seqs:
         raise ConfigError(
             f"no warm-start example fits model.tiny.max_position_embeddings={max_len}: raise it"

@@ -2,7 +2,10 @@
 
 A reward function is any callable with TRL's signature,
 `fn(prompts: list[str], completions: list[str], **columns) -> list[float | None]`, where `columns`
-holds the dataset's other columns as lists (one value per sample). `conf/reward/*.yaml` names them:
+holds the dataset's other columns as lists (one value per sample). With tools on (`tools.max_turns`
+> 0), a function that takes `tool_calls` (by name, or `**kwargs`) also gets each sample's calls, a
+list of `loorl.tools.ToolCall` (`.text`, `.result`, `.status`, `.made`) per sample; the completion
+text is the whole transcript, results included. `conf/reward/*.yaml` names them:
 
     functions:
       correct: {fn: task, weight: 1.0}                       # the task's own verifier
@@ -17,6 +20,7 @@ so that one bad sample does not take its whole batch down.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -54,11 +58,11 @@ class Graded:
     parts: dict[str, torch.Tensor]  # [B, K] each function's reward (NaN = unscorable) by its name
 
 
-def grade(task: Task, prompts: Sequence[Prompt], completions: Sequence[str]):
-    """The task's verifier once per sample (`Task.grade_many`): (rewards, correct, first error); a
-    sample whose verifier fails or gives no verdict gets a NaN reward and a NaN correctness (unscorable:
-    neither right nor wrong)."""
-    rewards, correct, first = task.grade_many(list(prompts), list(completions))
+def grade(task: Task, prompts: Sequence[Prompt], completions: Sequence[str], tool_calls=None):
+    """The task's verifier once per sample (`Task.grade_many`; `tool_calls`: each sample's calls, with
+    tools on): (rewards, correct, first error); a sample whose verifier fails or gives no verdict gets a
+    NaN reward and a NaN correctness (unscorable: neither right nor wrong)."""
+    rewards, correct, first = task.grade_many(list(prompts), list(completions), tool_calls=tool_calls)
     rewards = [_as_float(r) for r in rewards]
     return (
         rewards,
@@ -80,6 +84,15 @@ def _flatten(prompts: Sequence[Prompt], texts: Sequence[Sequence[str]]) -> tuple
     return [p for p in prompts for _ in range(k)], [t for group in texts for t in group]
 
 
+def takes_tool_calls(fn: RewardFn) -> bool:
+    """Whether a reward function takes `tool_calls`: by name, or through `**kwargs`."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        return False
+    return any(p.name == "tool_calls" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
 def _as_float(value) -> float:
     try:
         value = float("nan") if value is None else float(value)
@@ -88,10 +101,12 @@ def _as_float(value) -> float:
     return value if math.isfinite(value) else float("nan")
 
 
-def _call(fn: RewardFn, prompts: list[Prompt], completions: list[str]) -> list[float]:
+def _call(fn: RewardFn, prompts: list[Prompt], completions: list[str], tool_calls=None) -> list[float]:
     columns: dict[str, list] = {}
     for key in sorted({k for p in prompts for k in p.meta}):
         columns[key] = [p.meta.get(key) for p in prompts]
+    if tool_calls is not None and takes_tool_calls(fn):
+        columns["tool_calls"] = [list(calls) for calls in tool_calls]
     out = list(fn(prompts=[p.text for p in prompts], completions=completions, **columns))
     if len(out) != len(completions):
         raise ValueError(f"returned {len(out)} rewards for {len(completions)} completions")
@@ -99,17 +114,17 @@ def _call(fn: RewardFn, prompts: list[Prompt], completions: list[str]) -> list[f
 
 
 def call_isolated(
-    fn: RewardFn, prompts: list[Prompt], completions: list[str]
+    fn: RewardFn, prompts: list[Prompt], completions: list[str], tool_calls=None
 ) -> tuple[list[float], Exception | None]:
     """Rewards of a batch, NaN where unscorable; on a raising batch, retry sample by sample."""
     try:
-        return _call(fn, prompts, completions), None
+        return _call(fn, prompts, completions, tool_calls), None
     except Exception as err:  # noqa: BLE001 - user reward code may raise anything
         first = err
     values = []
-    for p, c in zip(prompts, completions):
+    for i, (p, c) in enumerate(zip(prompts, completions)):
         try:
-            values.append(_call(fn, [p], [c])[0])
+            values.append(_call(fn, [p], [c], None if tool_calls is None else [tool_calls[i]])[0])
         except Exception:  # noqa: BLE001
             values.append(float("nan"))
     return values, first
@@ -132,19 +147,21 @@ class RewardComposer:
         self.functions, self.task, self.clip = functions, task, clip
         self.warned: set[str] = set()
 
-    def __call__(self, prompts: Sequence[Prompt], texts: Sequence[Sequence[str]]) -> Graded:
+    def __call__(self, prompts: Sequence[Prompt], texts: Sequence[Sequence[str]], tool_calls=None) -> Graded:
         """Rewards [B, K] (NaN = unscorable), correctness [B, K], the unscorable count and each
-        function's rewards [B, K]. The task's verifier runs once per sample, for both."""
+        function's rewards [B, K]. The task's verifier runs once per sample, for both. `tool_calls`
+        [B][K] (tools on): each sample's calls, for the task and the functions that take them."""
         k = len(texts[0])
         flat_prompts, flat_texts = _flatten(prompts, texts)
-        verdicts = grade(self.task, flat_prompts, flat_texts) if self.task is not None else None
+        flat_calls = None if tool_calls is None else [c for group in tool_calls for c in group]
+        verdicts = grade(self.task, flat_prompts, flat_texts, flat_calls) if self.task is not None else None
         total = torch.zeros(len(flat_texts), dtype=torch.float64)  # [B*K]
         parts = {}
         for wr in self.functions:
             if wr.fn == TASK_VERIFIER:
                 values, _, error = verdicts
             else:
-                values, error = call_isolated(wr.fn, flat_prompts, flat_texts)
+                values, error = call_isolated(wr.fn, flat_prompts, flat_texts, flat_calls)
             v = torch.tensor(values, dtype=torch.float64)  # [B*K]
             bad = int(v.isnan().sum())
             if bad:

@@ -42,7 +42,7 @@ from loorl.rewards.shaping import overlong_penalty
 from loorl.rollout.batch import assemble, concatenate
 from loorl.rollout.dynamic_sampling import Choice, SetAside, choose_groups, groups_with_signal
 from loorl.rollout.engine import RolloutEngine
-from loorl.rollout.multi_turn import tool_counts, tool_stats, used_a_tool
+from loorl.rollout.multi_turn import tool_calls_of, tool_counts, tool_stats, used_a_tool
 from loorl.settings import OverlongSettings, RLSettings, RolloutSettings
 from loorl.tasks.base import Task
 from loorl.types import Completion, Prompt, Rollout, RolloutBatch
@@ -396,7 +396,7 @@ class RolloutDataModule(L.LightningDataModule):
         if not self.rl.dynamic_sampling.enabled:  # else `fill` puts it to sleep once the rounds are over
             self.engine.sleep()
         with clock.phase("grade"):
-            graded = self.rewards(prompts, self.detokenize(groups))  # [B, K] rewards and correctness
+            graded = self.rewards(prompts, self.detokenize(groups), tool_calls_of(groups))  # [B, K]
         rewards = graded.rewards  # [B, K]
         finished = torch.tensor([[c.finished for c in g] for g in groups])  # [B, K]
         if self.settings.truncated == "zero":
@@ -473,7 +473,7 @@ class RolloutDataModule(L.LightningDataModule):
         ids = self.encode_prompts(prompts)
         completions = self.generate(ids, n=1, greedy=True)  # [n][1]
         greedy = self.detokenize(completions)  # [n][1]
-        graded = self.rewards(prompts, greedy)  # [n, 1]
+        graded = self.rewards(prompts, greedy, tool_calls_of(completions))  # [n, 1]
         results = {
             "prompts": [p.text for p in prompts],
             "completions": [g[0] for g in greedy],

@@ -50,16 +50,22 @@ class Task(ABC):
         r = self.reward(prompt, completion)
         return r, r is not None and not math.isnan(r) and r > 0
 
+    def grade_with_tools(self, prompt: Prompt, completion: str, calls) -> tuple[float | None, bool]:
+        """`grade` of a multi-turn sample (tools on), which may read the tool calls it made (`calls`:
+        `loorl.tools.ToolCall`s, in order) to reward or require their use. Default: `grade`."""
+        return self.grade(prompt, completion)
+
     def grade_many(
-        self, prompts: list[Prompt], completions: list[str]
+        self, prompts: list[Prompt], completions: list[str], tool_calls=None
     ) -> tuple[list[float | None], list[bool], Exception | None]:
-        """`grade` over a batch: (rewards, correct, the first error). A sample whose verifier raises gets
-        reward None (unscorable) and counts as not correct. Tasks whose verifier is costly per call
-        (running code) override this to work on the batch at once."""
+        """`grade` over a batch (`grade_with_tools` where `tool_calls`, each sample's calls, is given):
+        (rewards, correct, the first error). A sample whose verifier raises gets reward None
+        (unscorable) and counts as not correct. Tasks whose verifier is costly per call (running code)
+        override this to work on the batch at once."""
         rewards, correct, first = [], [], None
-        for p, c in zip(prompts, completions):
+        for i, (p, c) in enumerate(zip(prompts, completions)):
             try:
-                r, ok = self.grade(p, c)
+                r, ok = self.grade(p, c) if tool_calls is None else self.grade_with_tools(p, c, tool_calls[i])
             except Exception as err:  # noqa: BLE001 - a verifier may raise on odd text
                 r, ok, first = None, False, first or err
             rewards.append(r)
@@ -85,7 +91,8 @@ class Task(ABC):
         """Task accuracy of one completion."""
         return self.grade(prompt, completion)[1]
 
-    def sft_examples(self, n: int, *, rng: np.random.Generator) -> list[tuple[str, str]]:
-        """(prompt, target completion) pairs for the tiny model's supervised warm start."""
+    def sft_examples(self, n: int, *, rng: np.random.Generator) -> list[tuple[str, str | list]]:
+        """(prompt, target completion) pairs for the tiny model's supervised warm start. A target may
+        be a list of `loorl.types.Segment`s, to leave parts out of the loss (a tool's result)."""
         prompts = self.train_prompts(n, rng=rng)
         return [(p.text, p.answer) for p in prompts]

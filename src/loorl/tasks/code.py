@@ -240,7 +240,8 @@ class CodeTask(Task):
                 return (1.0, True) if result.passed else (0.0, False)
         return 0.0, False  # never reached the end of the tests
 
-    def grade_many(self, prompts, completions):
+    def grade_many(self, prompts, completions, tool_calls=None):
+        """The batch's programs in the sandbox at once (the tool calls do not change a code verdict)."""
         tokens = [f"loorl-passed-{secrets.token_hex(8)}" for _ in prompts]
         programs = [self.program(p, c, t) for p, c, t in zip(prompts, completions, tokens)]
         results = sandbox.run_many(programs, workers=self.workers, **self.limits)

@@ -116,14 +116,20 @@ class MixedTask(Task):
     def grade(self, prompt: Prompt, completion: str):
         return self._source(prompt).grade(prompt, completion)
 
-    def grade_many(self, prompts, completions):
+    def grade_with_tools(self, prompt: Prompt, completion: str, calls):
+        return self._source(prompt).grade_with_tools(prompt, completion, calls)
+
+    def grade_many(self, prompts, completions, tool_calls=None):
         """Each source's verifier over its own samples (batched where the source batches)."""
         rewards, correct, first = [None] * len(prompts), [False] * len(prompts), None
         for source, task in self.sources.items():
             idx = [i for i, p in enumerate(prompts) if p.meta["source"] == source]
             if not idx:
                 continue
-            r, c, err = task.grade_many([prompts[i] for i in idx], [completions[i] for i in idx])
+            calls = None if tool_calls is None else [tool_calls[i] for i in idx]
+            r, c, err = task.grade_many(
+                [prompts[i] for i in idx], [completions[i] for i in idx], tool_calls=calls
+            )
             for j, i in enumerate(idx):
                 rewards[i], correct[i] = r[j], c[j]
             first = first or err

@@ -149,8 +149,17 @@ def run_identity(s, *, model: str, strategy: str) -> dict:
             "loss.agg": s.loss.agg,
             "task": s.task.get("name"),
             "model.lora.alpha": None if s.model.lora is None else s.model.lora.lora_alpha,
+            "tools": tools_identity(s.tools),
         },
     }
+
+
+def tools_identity(tools) -> str | None:
+    """The tools a run's samples call, and their limits; None without tools (as in checkpoints written
+    before tools existed)."""
+    if not tools.max_turns:
+        return None
+    return f"{', '.join(sorted(tools.available))} (max_turns {tools.max_turns}, max_tokens {tools.max_tokens})"
 
 
 def lora_identity(lora) -> str | None:
