@@ -181,7 +181,8 @@ def test_the_tools_are_part_of_the_runs_identity(make_config):
     from loorl.training.checkpoints import run_identity
 
     def identity(*overrides):
-        return run_identity(load_settings(make_config(*overrides)), model="m", strategy="auto")["run"]["tools"]
+        settings = load_settings(make_config(*overrides))
+        return run_identity(settings, model="m", strategy="auto")["run"]["tools"]
 
     assert identity() is None and identity("tools=calculator", "tools.max_turns=0") is None
     assert identity("experiment=tiny_long_sums") == "calculator (max_turns 1, max_tokens 72)"

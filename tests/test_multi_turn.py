@@ -191,3 +191,22 @@ def test_max_turns_zero_is_the_run_without_tools(quick_config, tiny):
     }
     assert not any(k.startswith("tools/") for k in a.stats)
     assert plain.heldout_results(task.eval_prompts()[:4])["tool_used"] is None
+
+
+def test_a_run_with_tools_records_the_tools_metrics_and_summarises_them(quick_config, tmp_path):
+    """The `tools/*` metrics reach metrics.json's history (one value per step) and the summary's row."""
+    import json
+
+    from loorl.cli.train import train
+
+    summary = train(quick_config(*DIGIT_TOOLS, "rl.steps=2", "checkpoint_every=0", output_dir=tmp_path))
+    history = json.loads((tmp_path / "metrics.json").read_text())["history"]
+    for key in (
+        "tools/calls_per_sample",
+        "tools/used_frac",
+        "tools/turns_per_sample",
+        "tools/inserted_tokens",
+    ):
+        assert len(history[key]) == 2, key
+    assert summary["tools_used_frac_mean"] == pytest.approx(sum(v for _, v in history["tools/used_frac"]) / 2)
+    assert "| tools (rollouts, mean) |" in (tmp_path / "summary.md").read_text()

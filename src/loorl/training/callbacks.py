@@ -118,8 +118,9 @@ class RunSummary(L.Callback):
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         epoch_values = {}  # a metric logged on step and epoch appears as `x`, `x_step` and `x_epoch`
+        recorded = ("rollout/", "perf/", "train/", "dynamic/", "tools/")
         for key, value in trainer.callback_metrics.items():
-            if key.startswith(("rollout/", "perf/", "train/", "dynamic/")) and not key.endswith("_step"):
+            if key.startswith(recorded) and not key.endswith("_step"):
                 epoch_values[key.removesuffix("_epoch")] = value
         for key, value in epoch_values.items():
             self._record(key, trainer.current_epoch, value)

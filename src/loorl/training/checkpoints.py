@@ -159,7 +159,8 @@ def tools_identity(tools) -> str | None:
     before tools existed)."""
     if not tools.max_turns:
         return None
-    return f"{', '.join(sorted(tools.available))} (max_turns {tools.max_turns}, max_tokens {tools.max_tokens})"
+    names = ", ".join(sorted(tools.available))
+    return f"{names} (max_turns {tools.max_turns}, max_tokens {tools.max_tokens})"
 
 
 def lora_identity(lora) -> str | None:
