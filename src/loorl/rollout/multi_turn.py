@@ -224,9 +224,8 @@ def tool_stats(counts: list[float]) -> dict[str, float]:
 def used_a_tool(groups: list[list[Completion]]) -> torch.Tensor | None:
     """[B] 1.0 where the group's first completion made a tool call (validation's greedy answers); None
     for completions of a run without tools."""
-    if not any(g[0].policy_mask is not None for g in groups):
-        return None
-    return torch.tensor([float(any(call.made for call in g[0].tool_calls)) for g in groups])
+    calls = tool_calls_of([g[:1] for g in groups])  # [B][1]
+    return None if calls is None else torch.tensor([float(any(c.made for c in g[0])) for g in calls])
 
 
 def tool_calls_of(groups: list[list[Completion]]) -> list[list[tuple[ToolCall, ...]]] | None:

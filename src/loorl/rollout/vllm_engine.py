@@ -407,8 +407,8 @@ class VLLMEngine(RolloutEngine):
         keeps every id vLLM sampled (the last one whole), and `ToolEngine` reads the call from the
         text (`ToolSet.closed_in_text`)."""
         ids = [q[0] for q in sequences if len(q) == 1]
-        tokenizer = self.llm.get_tokenizer() if any(len(q) > 1 for q in sequences) else None
-        texts = sorted({tokenizer.decode(q) for q in sequences if len(q) > 1}) if tokenizer else []
+        longer = [q for q in sequences if len(q) > 1]
+        texts = sorted({self.llm.get_tokenizer().decode(q) for q in longer}) if longer else []
         return ids, texts
 
 

@@ -46,7 +46,7 @@ class LongSumsTask(Task):
         max_operand: int = 999,
         eval_size: int = 200,
         eval_seed: int = 1234,
-        max_new_tokens: int = 64,  # the default of rollout.max_new_tokens; unused here
+        max_new_tokens: int = 32,  # the default of rollout.max_new_tokens; unused here
         answer_after: str = "</result>",
         require_tool: bool = False,
         tool_share: float = 0.5,
@@ -71,8 +71,7 @@ class LongSumsTask(Task):
         self.tool_share, self.tool_call, self.tool_result = tool_share, tool_call, tool_result
         rng = np.random.default_rng(eval_seed)
         self._eval = [self._draw(rng) for _ in range(eval_size)]
-        held_out = set(self._eval)
-        self._held_out = held_out  # training draws skip these (4 terms: ~1 in 3e9 would collide)
+        self._held_out = set(self._eval)  # training draws skip these (4 terms: ~1 in 3e9 would collide)
 
     def _draw(self, rng: np.random.Generator) -> tuple[int, ...]:
         return tuple(int(x) for x in rng.integers(self.min_operand, self.max_operand + 1, size=self.terms))
