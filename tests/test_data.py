@@ -332,6 +332,15 @@ def test_format_prompt_chat_template():
     )
 
 
+def test_format_prompt_worked_examples_come_before_the_question():
+    shots = [("1+1?", "2"), ("2+3?", "5")]
+    chat = format_prompt("Q", tokenizer=_char_tokenizer(TEMPLATE), system_prompt="Sys", examples=shots)
+    shown = "<|system|>Sys\n<|user|>1+1?\n<|assistant|>2\n<|user|>2+3?\n<|assistant|>5\n"
+    assert chat == shown + "<|user|>Q\n<|assistant|>"
+    assert format_prompt("Q", system_prompt="Sys", examples=shots) == "Sys\n\n1+1?\n2\n\n2+3?\n5\n\nQ"
+    assert format_prompt("Q", examples=()) == "Q"
+
+
 def test_format_prompt_template_required():
     with pytest.raises(ConfigError) as err:
         format_prompt("Q", tokenizer=_char_tokenizer(None), use_chat_template=True)

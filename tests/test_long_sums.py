@@ -11,7 +11,7 @@ from hydra.utils import instantiate
 from loorl.errors import ConfigError
 from loorl.models.tiny import build_char_tokenizer, greedy_exact, sft_batch
 from loorl.rewards import RewardComposer, WeightedReward
-from loorl.tasks.long_sums import ChatLongSumsTask, LongSumsTask
+from loorl.tasks.long_sums import TOOL_EXAMPLES, ChatLongSumsTask, LongSumsTask
 from loorl.tools.base import ToolCall
 from loorl.types import Prompt, Segment
 
@@ -98,6 +98,27 @@ def test_the_chat_variant_reads_the_number_after_the_last_result():
     )
 
 
+def test_the_worked_example_is_graded_right_and_writes_the_result_as_the_tool_does(make_config):
+    cfg = make_config("task=chat_long_sums", "tools=calculator")
+    task = instantiate(cfg.task)
+    ((question, answer),) = task.examples
+    assert task.examples == TOOL_EXAMPLES  # the config's turn is the code's default
+    expression = question.removeprefix("What is ").removesuffix("?").replace(" ", "")
+    prompt = Prompt(question, str(sum(map(int, expression.split("+")))), {"expression": expression})
+    assert task.grade(prompt, answer) == (1.0, True)
+    result = cfg.tools.result_format.replace("{result}", prompt.answer)
+    assert f"<calc>{expression}</calc>{result}" in answer  # as the tool would have inserted it
+    shown = task.eval_prompts()[0].text  # plain text before prepare(): the turn, then the question
+    assert shown.index(answer) < shown.index(task.eval_prompts()[0].meta["expression"].replace("+", " + "))
+    assert answer not in ChatLongSumsTask(examples=[]).eval_prompts()[0].text
+
+
+@pytest.mark.parametrize("examples", [["just a string"], [["q", "a", "extra"]], [["q", 3]]])
+def test_bad_worked_examples_are_one_line(examples):
+    with pytest.raises(ConfigError, match=r"^task\.examples\[0\]=.* must be a \[question, answer\] pair"):
+        ChatLongSumsTask(examples=examples)
+
+
 @pytest.mark.parametrize(
     ("options", "setting"),
     [({"terms": 1}, "task.terms"), ({"tool_share": 1.5}, "task.tool_share"),
@@ -114,6 +135,8 @@ def test_the_task_configs_compose(make_config):
         assert type(instantiate(cfg.task)) is cls
     cfg = make_config("experiment=tiny_long_sums")
     assert cfg.tools.max_turns == 1 and "calculator" in cfg.tools.available and cfg.task.name == "long_sums"
+    warm_start = cfg.model.tiny.warm_start  # a fixed length: the probe's target is out of reach here
+    assert warm_start.target_accuracy is None and warm_start.max_steps == 400 and cfg.rl.steps == 40
 
 
 # ---- reward functions that read the tool calls ------------------------------------------------------

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -311,11 +312,14 @@ def format_prompt(
     tokenizer=None,
     use_chat_template: bool | str = "auto",
     system_prompt: str | None = None,
+    examples: Sequence[tuple[str, str]] = (),
 ) -> str:
     """The text the policy sees: `question suffix`, rendered with the tokenizer's chat template when asked.
 
     `use_chat_template`: True (required), False (plain text) or "auto" (when the tokenizer has one).
     Without a chat template a `system_prompt` is put before the text, separated by a blank line.
+    `examples`: worked (question, answer) pairs shown before the question, as earlier user and
+    assistant turns of the chat (few-shot); as `question\nanswer` paragraphs in plain text.
     """
     text = f"{question} {suffix}" if suffix else question
     if use_chat_template not in (True, False, "auto"):
@@ -325,8 +329,12 @@ def format_prompt(
         what = "no tokenizer was given" if tokenizer is None else "the tokenizer has no chat_template"
         raise ConfigError(f"task.chat_template=true but {what}; set task.chat_template=false or auto")
     if use_chat_template is False or not has_template:
-        return f"{system_prompt}\n\n{text}" if system_prompt else text
+        paragraphs = [system_prompt] if system_prompt else []
+        paragraphs += [f"{q}\n{a}" for q, a in examples] + [text]
+        return "\n\n".join(paragraphs)
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    for q, a in examples:
+        messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
     messages.append({"role": "user", "content": text})
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 

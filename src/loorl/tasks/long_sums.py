@@ -28,10 +28,13 @@ from loorl.tasks.verifiers import check_answer_mode, extract_final_number
 from loorl.types import Prompt, Segment
 
 TOOL_SYSTEM_PROMPT = (
-    "You can use a calculator. To compute an expression, write it between <calc> and </calc>, for "
-    "example <calc>12+30</calc>; its value is then written after it as <result>42</result>. Then give "
-    "the final answer as a number."
+    "You can use a calculator: write <calc>expression</calc> and its value follows as <result>value</result>."
 )
+# One worked exchange before the question, on a smaller sum than those asked. Greedy
+# SmolLM2-135M-Instruct on 32 four-term sums: with the system prompt alone it called the calculator
+# 0 times; with this turn, 23 (22 with the whole sum); with a four-term turn, 32 of 32, which leaves
+# RL nothing to teach (held-out accuracy 99.5% before training)
+TOOL_EXAMPLES = (("What is 12 + 30?", "<calc>12+30</calc> <result>42</result> The answer is 42."),)
 
 
 class LongSumsTask(Task):
@@ -138,6 +141,7 @@ class ChatLongSumsTask(LongSumsTask):
         question: str = "What is {expression}?",
         chat_template: bool | str = "auto",
         system_prompt: str | None = TOOL_SYSTEM_PROMPT,
+        examples=TOOL_EXAMPLES,
         answer_mode: str = "strict",
         max_new_tokens: int = 48,
         **kwargs,
@@ -145,6 +149,7 @@ class ChatLongSumsTask(LongSumsTask):
         check_answer_mode(answer_mode)
         if "{expression}" not in question:
             raise ConfigError(f"task.question={question!r} must hold {{expression}}")
+        self.examples = worked_examples(examples)
         self.question, self.answer_mode = question, answer_mode
         self.chat_template, self.system_prompt = chat_template, system_prompt
         self.tokenizer = None  # set by prepare(): prompts are plain text until then
@@ -160,8 +165,21 @@ class ChatLongSumsTask(LongSumsTask):
         question = self.question.replace("{expression}", expression)
         text = format_prompt(question, tokenizer=self.tokenizer,
                              use_chat_template=self.chat_template if self.tokenizer is not None else False,
-                             system_prompt=self.system_prompt)  # fmt: skip
+                             system_prompt=self.system_prompt, examples=self.examples)  # fmt: skip
         return Prompt(text=text, answer=str(sum(terms)), meta={"expression": expression.replace(" ", "")})
 
     def extract_answer(self, prompt: Prompt, completion: str) -> str | None:
         return extract_final_number(self.final_text(completion), mode=self.answer_mode)
+
+
+def worked_examples(examples) -> tuple[tuple[str, str], ...]:
+    """`task.examples` as (question, answer) pairs, or a one-line error naming the bad entry."""
+    pairs = []
+    for i, pair in enumerate(examples or ()):
+        if isinstance(pair, str) or len(pair) != 2 or not all(isinstance(x, str) for x in pair):
+            raise ConfigError(
+                f"task.examples[{i}]={pair!r} must be a [question, answer] pair of strings (or set "
+                "task.examples=[] for none)"
+            )
+        pairs.append((pair[0], pair[1]))
+    return tuple(pairs)
