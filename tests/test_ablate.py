@@ -21,6 +21,7 @@ from loorl.research.ablation import (
     cost_before,
     cost_through,
     group_settings,
+    job_metrics,
     markdown_table,
     mean_ci,
     moving_average,
@@ -115,6 +116,22 @@ def test_groups_with_signal_per_step_with_and_without_dynamic_sampling():
     assert reach_metrics(dynamic)["signal_groups"] == 13.0 and reach_metrics(dynamic)["rounds"] == 2.5
 
 
+def test_the_tool_use_columns_show_first_and_last_and_only_where_a_run_used_tools():
+    from loorl.research.ablation import Setting
+
+    tools = history_job([(0, 0.3), (10, 0.9)], steps=10, **{"val/tool_used_frac": [(10, 1.0), (0, 0.5)]})
+    control = history_job([(0, 0.1), (10, 0.2)], steps=10)
+    metrics = job_metrics(tools)
+    assert metrics["first_accuracy"] == 0.3
+    assert (metrics["first_tool_use"], metrics["final_tool_use"]) == (0.5, 1.0)
+    assert math.isnan(job_metrics(control)["first_tool_use"])
+    table = markdown_table(summarize([Setting("1", [tools]), Setting("0", [control])]), title="t")
+    assert "| first acc. (%) | final acc. (%) | best acc. (%) | acc. AUC (%) | tool use first (%) |" in table
+    assert "| 1 | 1 | 30.0 | 90.0 | 90.0 | 60.0 | 50.0 | 100.0 |" in table
+    assert "| 0 | 1 | 10.0 | 20.0 | 20.0 | 15.0 | n/a | n/a |" in table
+    assert "tool use" not in markdown_table(summarize([Setting("0", [control])]), title="t")
+
+
 def test_the_reach_table_counts_the_seeds_that_got_there():
     from loorl.research.ablation import Setting
 
@@ -180,7 +197,7 @@ def test_the_table_is_the_mean_and_interval_of_the_runs(sweep):
         sizes = [checkpoint_bytes(f / "checkpoints" / "last.ckpt") / 1e6 for f in folders]
         assert sorted(row["metrics"]["checkpoint_mb"]["values"]) == pytest.approx(sorted(sizes), nan_ok=True)
     table = (out / "table.md").read_text()
-    assert "| setting | seeds | final acc. (%) |" in table and "±" in table
+    assert "| setting | seeds | first acc. (%) | final acc. (%) |" in table and "±" in table
     assert "| s/step | peak RSS (GB) | checkpoint (MB) |" in table
     assert "| setting | steps to 70% |" in table and all(
         r["reach"]["rounds"]["reached"] == 0 for r in rows.values()

@@ -147,13 +147,25 @@ def accuracy_auc(steps: np.ndarray, acc: np.ndarray) -> float:
     return float(np.sum((a[1:] + a[:-1]) / 2 * np.diff(s)) / (s[-1] - s[0]))
 
 
+def first_and_last(job: Job, key: str) -> tuple[float, float]:
+    """A metric's value at its first and at its last logged step (NaN where it was never logged)."""
+    steps, values = job.series(key)
+    if not len(values):
+        return float("nan"), float("nan")
+    return float(values[np.argmin(steps)]), float(values[np.argmax(steps)])
+
+
 def job_metrics(job: Job) -> dict[str, float]:
     steps, acc = job.series("val/accuracy")
     s, tokens = job.summary, job.cumulative_tokens()
+    first_tool_use, final_tool_use = first_and_last(job, "val/tool_used_frac")
     return {
+        "first_accuracy": first_and_last(job, "val/accuracy")[0],
         "final_accuracy": float(acc[np.argmax(steps)]) if len(acc) else float("nan"),
         "best_accuracy": float(acc.max()) if len(acc) else float("nan"),
         "accuracy_auc": accuracy_auc(steps, acc),
+        "first_tool_use": first_tool_use,
+        "final_tool_use": final_tool_use,
         "final_reward": float(s.get("reward_last", float("nan"))),
         "kl": float(s.get("kl_last", float("nan"))),
         "gen_tokens": float(tokens[-1]) if len(tokens) else float("nan"),
@@ -208,9 +220,12 @@ def checkpoint_bytes(path: Path) -> float:
 
 
 COLUMNS = {  # metric -> (column title, format)
+    "first_accuracy": ("first acc. (%)", "pct"),
     "final_accuracy": ("final acc. (%)", "pct"),
     "best_accuracy": ("best acc. (%)", "pct"),
     "accuracy_auc": ("acc. AUC (%)", "pct"),
+    "first_tool_use": ("tool use first (%)", "pct"),
+    "final_tool_use": ("tool use final (%)", "pct"),
     "final_reward": ("final reward", ".3f"),
     "kl": ("KL", ".4f"),
     "gen_tokens": ("gen. tokens", ",.0f"),
@@ -219,6 +234,9 @@ COLUMNS = {  # metric -> (column title, format)
     "peak_host_gb": ("peak RSS (GB)", ".2f"),
     "checkpoint_mb": ("checkpoint (MB)", ",.1f"),
 }
+
+
+WHEN_LOGGED = ("first_tool_use", "final_tool_use")  # columns shown only where some job logged them
 
 
 REACH_LEVEL_COLUMNS = {  # reach_metrics of reaching a level -> (column title, format)
@@ -267,20 +285,36 @@ def summarize(settings: list[Setting]) -> list[dict]:
     return rows
 
 
+def shown_columns(rows: list[dict]) -> dict[str, tuple[str, str]]:
+    """COLUMNS without those of WHEN_LOGGED that no job logged (the tool-use share of runs without tools)."""
+    return {
+        name: column
+        for name, column in COLUMNS.items()
+        if name not in WHEN_LOGGED or any(row["metrics"][name]["reached"] for row in rows)
+    }
+
+
 def markdown_table(rows: list[dict], *, title: str, note: str = "") -> str:
-    head = ["setting", "seeds"] + [title_ for title_, _ in COLUMNS.values()]
+    columns = shown_columns(rows)
+    head = ["setting", "seeds"] + [title_ for title_, _ in columns.values()]
     lines = [f"## {title}", "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for row in rows:
         cells = [row["setting"], str(len(row["seeds"]))]
         cells += [
             _cell(row["metrics"][k]["mean"], row["metrics"][k]["ci95"], fmt)
-            for k, (_, fmt) in COLUMNS.items()
+            for k, (_, fmt) in columns.items()
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    tool_use = (
+        "tool use: the share of greedy held-out answers that called a tool (first and last validation); "
+        if "first_tool_use" in columns
+        else ""
+    )
     lines += [
         "",
         "Mean ± half-width of the 95% Student-t confidence interval over seeds. Accuracy: greedy on the "
-        "held-out split (final: the last validation, best: the highest, AUC: the mean along training); "
+        "held-out split (first: before training, final: the last validation, best: the highest, AUC: "
+        f"the mean along training); {tool_use}"
         "reward: the mean of the last steps' rollouts; KL: to the reference at the last step; "
         "gen. tokens: completion tokens generated over the run; s/step: the median RL step; peak RSS: the "
         "process's peak resident host memory during the run; checkpoint: last.ckpt (n/a: none kept).",
