@@ -722,3 +722,23 @@ def test_eval_settings_refuse_bad_values(tmp_path, override, message):
     cfg = compose_config(f"output_dir={tmp_path}", "policy=/p", override, config_name="eval")
     with pytest.raises(ConfigError, match=re.escape(message)):
         EvalSettings.from_cfg(cfg.eval, "eval")
+
+
+def test_ablation_tools_arms_differ_only_in_the_tool(default_cfg, tmp_path):
+    from loorl.config import load_settings
+
+    params = sweep_params(tmp_path, "tools")
+    assert params["experiment"] == ["smollm2_calculator"]
+    assert params["+ablation/tools_arms"] == ["calculator", "none"]
+    calculator, none = (
+        default_cfg("ablation=tools", "experiment=smollm2_calculator", f"+ablation/tools_arms={arm}")
+        for arm in ("calculator", "none")
+    )
+    assert calculator.tools.max_turns == 1 and none.tools.max_turns == 0
+    assert "calculator" in none.tools.available  # the prompt still describes it; only the turns differ
+    with_tool, without = load_settings(calculator), load_settings(none)
+    assert with_tool.rl == without.rl and with_tool.task == without.task
+    assert with_tool.run.val_every == without.run.val_every
+    assert with_tool.run.checkpoint_every == 0 and not with_tool.run.export_policy
+    recipe = load_settings(default_cfg("experiment=smollm2_calculator"))
+    assert (recipe.rl, recipe.tools) == (with_tool.rl, with_tool.tools)  # the arm is the experiment as it is
