@@ -737,7 +737,10 @@ def test_ablation_tools_arms_differ_only_in_the_tool(default_cfg, tmp_path):
     assert calculator.tools.max_turns == 1 and none.tools.max_turns == 0
     assert "calculator" in none.tools.available  # the prompt still describes it; only the turns differ
     with_tool, without = load_settings(calculator), load_settings(none)
-    assert with_tool.rl == without.rl and with_tool.task == without.task
+    assert with_tool.rl == without.rl
+    # the single turn has the calculator arm's budget per sample, the rest of the task is the same
+    assert without.rollout.max_new_tokens == with_tool.tools.budget(with_tool.rollout.max_new_tokens) == 64
+    assert {**with_tool.task, "max_new_tokens": 64} == without.task
     assert with_tool.run.val_every == without.run.val_every
     assert with_tool.run.checkpoint_every == 0 and not with_tool.run.export_policy
     recipe = load_settings(default_cfg("experiment=smollm2_calculator"))

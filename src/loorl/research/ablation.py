@@ -158,10 +158,11 @@ def first_and_last(job: Job, key: str) -> tuple[float, float]:
 def job_metrics(job: Job) -> dict[str, float]:
     steps, acc = job.series("val/accuracy")
     s, tokens = job.summary, job.cumulative_tokens()
+    first_accuracy, final_accuracy = first_and_last(job, "val/accuracy")
     first_tool_use, final_tool_use = first_and_last(job, "val/tool_used_frac")
     return {
-        "first_accuracy": first_and_last(job, "val/accuracy")[0],
-        "final_accuracy": float(acc[np.argmax(steps)]) if len(acc) else float("nan"),
+        "first_accuracy": first_accuracy,
+        "final_accuracy": final_accuracy,
         "best_accuracy": float(acc.max()) if len(acc) else float("nan"),
         "accuracy_auc": accuracy_auc(steps, acc),
         "first_tool_use": first_tool_use,
