@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fixtures import ON_CPU
+from fixtures import DIGIT_TOOLS, ON_CPU
 from loorl.config import check_config
 from loorl.errors import ConfigError
 from loorl.parallel.distributed import rank_block
@@ -234,6 +234,29 @@ def test_cli_two_processes_fill_every_rank_with_the_same_number_of_groups(tmp_pa
     signal, fillers = history["dynamic/groups_with_signal"], history["dynamic/filler_groups"]
     assert len(signal) == 6 and all(s[1] + f[1] == 8 for s, f in zip(signal, fillers))  # B = 8
     assert all(r[1] >= 1 for r in history["dynamic/rounds"])
+
+
+@pytest.mark.slow
+def test_cli_two_processes_run_tools_and_log_the_whole_steps_tool_metrics(tmp_path, model_cache):
+    """Multi-turn rollouts with tools under DDP: each rank runs its own samples' calls, and what is
+    logged is the whole step's: the tool counts are summed over the ranks (a rank's own would be about
+    half the step's generated tokens), and the sharded greedy validation before training reports the
+    one-process accuracy and tool use."""
+    tools = (*DIGIT_TOOLS, "rl.steps=2", "val_every=2", "checkpoint_every=0", "export_policy=false")
+    one, two = tmp_path / "one", tmp_path / "two"
+    _cli(one, model_cache, *tools, devices=1)
+    _cli(two, model_cache, "strategy=ddp", *tools)
+    single, both = (json.loads((run / "metrics.json").read_text())["history"] for run in (one, two))
+    calls = [value for _, value in both["tools/calls_per_sample"]]
+    assert len(calls) == 2 and max(calls) > 0  # the tiny model calls the digit tool on its own
+    for (_, generated), (_, sampled) in zip(both["tools/generated_tokens"], both["rollout/gen_tokens"]):
+        assert generated == sampled  # the policy's own tokens of all B x K samples, on both ranks
+    for (_, used), (_, turns) in zip(both["tools/used_frac"], both["tools/turns_per_sample"]):
+        assert (used * 32).is_integer() and turns >= 1  # a share of the step's B x K = 32 samples
+    # greedy decoding in other batch shapes may flip an argmax: one prompt of slack in 200
+    for key in ("val/accuracy", "val/tool_used_frac"):
+        assert both[key][0][0] == single[key][0][0] == 0
+        assert abs(both[key][0][1] - single[key][0][1]) <= 0.005, key
 
 
 # FSDP's folders of shards go through the module's state_dict/load_state_dict too (DDP's one file is

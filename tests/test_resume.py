@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fixtures import ON_CPU, assert_same_run, metric_values, needs_vllm, needs_wandb
+from fixtures import DIGIT_TOOLS, ON_CPU, assert_same_run, metric_values, needs_vllm, needs_wandb
 from loorl.cli.train import train
 from loorl.errors import ConfigError
 from loorl.training.checkpoints import (
@@ -304,12 +304,6 @@ def test_a_resumed_run_logs_into_the_wandb_run_it_continues(tmp_path, model_cach
     runs = sorted((run / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and started in runs
     assert {r.name.rsplit("-", 1)[1] for r in runs} == {started.name.rsplit("-", 1)[1]}  # one wandb run id
-
-
-# the tiny model writes digits: a "1" opens a calculator call and a "2" closes it (tests/test_multi_turn.py)
-DIGIT_TOOLS = ("tools=calculator", "tools.available.calculator.start='1'",
-               "tools.available.calculator.end='2'", "tools.result_format='[{result}]'", "tools.max_turns=3",
-               "tools.max_tokens=40")  # fmt: skip
 
 
 @pytest.mark.slow
