@@ -53,6 +53,11 @@ CASES = [
     (["rl.steps=0"], "rl.steps", []),
     (["rl.dynamic_sampling.max_rounds=0"], "rl.dynamic_sampling.max_rounds", ["1 or more"]),
     (["reward.overlong.buffer=1000"], "reward.overlong.buffer", ["rollout.max_new_tokens"]),
+    (  # with tools, the limit is a sample's budget over its turns
+        ["tools=calculator", "tools.max_turns=1", "tools.max_tokens=64", "reward.overlong.buffer=65"],
+        "reward.overlong.buffer",
+        ["tools.max_tokens=64", "reward.overlong.buffer=64"],
+    ),
     (["loss.is_mode=token_mask", "loss.is_low=2", "loss.is_high=2"], "loss.is_low", ["is_high"]),
     (["loss.is_mode=sequence_mask", "loss.tis_cap=2"], "loss.is_mode", ["loss.tis_cap=null"]),
     (["loss.is_mode=bogus"], "loss.is_mode", ["bogus", "token_mask", "sequence_mask"]),

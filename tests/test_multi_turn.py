@@ -176,6 +176,27 @@ def test_the_datamodule_samples_in_turns_and_logs_the_tools(quick_config, tiny):
     assert results["tool_used"] is not None and results["tool_used"].shape == (8,)
 
 
+def test_with_tools_the_overlong_penalty_counts_against_the_samples_budget(quick_config, tiny):
+    """A sample runs over several turns: DAPO's penalty ramps over the last `buffer` tokens of its
+    budget (tools.max_tokens 40, not one turn's 5), counting its inserted results as the budget does."""
+    from loorl.rewards.shaping import overlong_penalty
+
+    _, task, path, tok, model = tiny
+    shaping = ("reward.overlong.buffer=40", "reward.overlong.penalty=0.25")  # the whole budget: every token
+    dm, plain = (build_datamodule(quick_config(*DIGIT_TOOLS, *extra), task, tok, path) for extra in (shaping, ()))
+    for d in (dm, plain):
+        d.engine.sync(model)
+    shaped, unshaped = dm.collect(step=1), plain.collect(step=1)
+    batch = shaped.batch
+    assert torch.equal(batch.input_ids, unshaped.batch.input_ids)  # the same samples
+    sizes = batch.attention_mask[:, batch.prompt_len :].sum(-1)  # [N] generated and inserted tokens
+    penalty = overlong_penalty(sizes, max_len=40, buffer=40, penalty=0.25)  # [N] -0.25 * sizes / 40
+    assert torch.allclose(batch.rewards, unshaped.batch.rewards + penalty, equal_nan=True)
+    assert shaped.stats["rollout/overlong_penalty"] == pytest.approx(float(penalty.mean()))
+    inserted = shaped.stats["tools/inserted_tokens"]
+    assert float(sizes.sum()) == shaped.stats["tools/generated_tokens"] + inserted and inserted > 0
+
+
 def test_max_turns_zero_is_the_run_without_tools(quick_config, tiny):
     """tools.max_turns=0 builds no tool engine: the rollout is the plain engine's, with no tools/ metric."""
     _, task, path, tok, model = tiny

@@ -89,7 +89,7 @@ def build_datamodule(
         seed=s.run.seed,
         share_prompt=s.rl.share_prompt,
         cuda=s.on_cuda,
-        completion_tokens=s.tools.budget(s.rollout.max_new_tokens) if s.tools.max_turns else None,
+        completion_tokens=s.completion_tokens,
     )
     # multi-turn rollouts: tools run between turns (in the sampler process, one step off)
     if s.tools.max_turns:
@@ -108,6 +108,7 @@ def build_datamodule(
         pass_k=s.run.val_pass_k,
         estimator=s.estimator.function,  # dynamic sampling's judge of which groups have signal
         overlong=s.reward.overlong,
+        completion_tokens=s.completion_tokens,  # the overlong penalty's limit (the tools budget)
         **evaluation,
     )
 
@@ -119,7 +120,7 @@ def tool_engine(engine, s: Settings, tokenizer):
 
     toolset = checked_toolset(s, type(engine), tokenizer)
     toolset.template_ids, how = insertion(tokenizer, s.tools.insert)
-    budget = s.tools.budget(s.rollout.max_new_tokens)
+    budget = s.completion_tokens
     names = ", ".join(f"{t.name} ({t.start}...{t.end})" for t in toolset.tools)
     log.info("tools: %s; up to %d calls and %d completion tokens per sample; %s", names,
              s.tools.max_turns, budget, how)  # fmt: skip

@@ -89,6 +89,13 @@ class Settings:
 
         return uses_cuda(self.accelerator)
 
+    @property
+    def completion_tokens(self) -> int:
+        """A sample's completion limit: one turn's `rollout.max_new_tokens`, or with tools the budget
+        over all its turns and the results inserted between them (`tools.max_tokens`)."""
+        turn = self.rollout.max_new_tokens
+        return self.tools.budget(turn) if self.tools.max_turns else turn
+
 
 def load_settings(cfg: DictConfig) -> Settings:
     """One dataclass per section, each checking its own types, choices and rules."""
@@ -139,10 +146,11 @@ def check_config(cfg: DictConfig) -> Settings:
             f"rl.samples_per_prompt={k} is too small for estimator={s.estimator.label}: its baseline needs "
             f"K >= {k_min} samples per prompt; set rl.samples_per_prompt={k_min} or more"
         )
-    buffer, limit = s.reward.overlong.buffer, s.rollout.max_new_tokens
+    buffer, limit = s.reward.overlong.buffer, s.completion_tokens
     if buffer > limit:
+        name = "tools.max_tokens" if s.tools.max_turns else "rollout.max_new_tokens"
         raise ConfigError(
-            f"reward.overlong.buffer={buffer} is longer than rollout.max_new_tokens={limit}: the penalty "
+            f"reward.overlong.buffer={buffer} is longer than a sample's limit ({name}={limit}): the penalty "
             f"ramps over the last `buffer` tokens of the limit; set reward.overlong.buffer={limit} or less"
         )
     check_optimizer(cfg.optimizer)

@@ -154,6 +154,7 @@ class RolloutDataModule(L.LightningDataModule):
         eval_limit: int | None = None,  # at most this many validation prompts (split=train needs it)
         estimator: Estimator | None = None,  # dynamic sampling asks it which groups have signal; None: rloo
         overlong: OverlongSettings | None = None,  # reward.overlong; None: no overlong penalty
+        completion_tokens: int | None = None,  # a sample's limit over all its turns; None: one turn's
     ) -> None:
         super().__init__()
         self.task, self.tokenizer, self.engine = task, tokenizer, engine
@@ -167,6 +168,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.rewards = rewards or RewardComposer([WeightedReward("task", TASK_VERIFIER)], task=task)
         self.estimator = estimator or estimators.get("rloo")
         self.overlong = overlong or OverlongSettings()
+        self.completion_tokens = completion_tokens or rollout.max_new_tokens  # the overlong penalty's limit
         # one step off: the next step's rollout, sampled ahead (Submitted while the engine samples it)
         self.pending: dict[int, Rollout | Submitted] = {}
 
@@ -405,10 +407,11 @@ class RolloutDataModule(L.LightningDataModule):
         lengths = torch.tensor(
             [[len(c.token_ids) - c.inserted for c in g] for g in groups], dtype=torch.float
         )
-        overlong = {"max_len": self.settings.max_new_tokens, "buffer": self.overlong.buffer,
-                    "penalty": self.overlong.penalty}  # fmt: skip
-        if self.overlong.buffer:
-            rewards = rewards + overlong_penalty(lengths, **overlong)  # [B, K] NaN stays NaN
+        if self.overlong.buffer:  # against the sample's limit, which counts inserted tool results too
+            sizes = torch.tensor([[len(c.token_ids) for c in g] for g in groups], dtype=torch.float)  # [B, K]
+            penalty = overlong_penalty(sizes, max_len=self.completion_tokens, buffer=self.overlong.buffer,
+                                       penalty=self.overlong.penalty)  # fmt: skip
+            rewards = rewards + penalty  # [B, K] NaN stays NaN
         batch = assemble(
             prompt_ids,
             groups,
@@ -420,7 +423,8 @@ class RolloutDataModule(L.LightningDataModule):
         everyone = gather_graded(graded, lengths, finished)  # the whole step's, over all ranks
         stats = rollout_stats(*everyone, gen_seconds=float(all_reduce(gen_seconds, "max")))
         if self.overlong.buffer:  # the mean penalty over the step's samples (all ranks)
-            stats["rollout/overlong_penalty"] = float(overlong_penalty(everyone[1], **overlong).mean())
+            total, count = all_reduce(torch.stack([penalty.sum(), torch.tensor(penalty.numel())])).tolist()
+            stats["rollout/overlong_penalty"] = total / count
         stats |= self.source_stats(prompts, everyone[0])
         flat = [c for g in groups for c in g]
         if any(c.policy_mask is not None for c in flat):  # multi-turn rollouts with tools (all ranks)
