@@ -37,11 +37,11 @@ def _prompt_ids(task, tok, n=6):
     return [tok(p.text, add_special_tokens=False).input_ids for p in task.eval_prompts()[:n]]
 
 
-def _multi_turn_batch(tiny, **kw):
+def _multi_turn_batch(tiny, seed=3, **kw):
     _, task, _, tok, model = tiny
     engine = _tool_engine(tok, model, **kw)
     ids = _prompt_ids(task, tok)
-    groups = engine.generate(ids, n=4, seed=3)
+    groups = engine.generate(ids, n=4, seed=seed)
     rewards = torch.zeros(len(ids), 4)
     batch = assemble(ids, groups, pad_token_id=tok.pad_token_id, rewards=rewards, advantages=rewards)
     return batch, groups, engine
@@ -49,9 +49,14 @@ def _multi_turn_batch(tiny, **kw):
 
 def test_the_trainer_scores_the_policys_own_tokens_as_the_sampler_drew_them(tiny):
     _, _, _, tok, model = tiny
-    batch, groups, engine = _multi_turn_batch(tiny)
-    flat = [c for g in groups for c in g]
-    calls = [sum(call.status != "unclosed" for call in c.tool_calls) for c in flat]
+    # the first seeded batch holding a sample with two tool calls or more: which seed draws one
+    # depends on the warm-started model, so on the CPU's kernels (ATEN_CPU_CAPABILITY)
+    for seed in range(3, 23):
+        batch, groups, engine = _multi_turn_batch(tiny, seed=seed)
+        flat = [c for g in groups for c in g]
+        calls = [sum(call.status != "unclosed" for call in c.tool_calls) for c in flat]
+        if max(calls) >= 2:
+            break
     assert max(calls) >= 2, calls  # samples with two tool calls and more
     recomputed = completion_logprobs(model, batch, sampling=engine.sampling)  # [N, C]
     own = batch.completion_mask.bool()  # [N, C] the policy's tokens
