@@ -217,7 +217,11 @@ def test_module_gradient_equals_hand_built_estimate_and_ignores_microbatch_size(
         for e, g in zip(expected, torch.autograd.grad(seq_logp, params)):
             e -= batch.advantages[i] * g / n
     expected = torch.cat([e.flatten() for e in expected])
-    assert torch.allclose(grads[4], expected, atol=1e-6, rtol=1e-4)
+    # float32 rounding, relative to the gradient's scale (which follows the warm start, so the CPU's
+    # kernels: 1.05 under avx2, 7.2 under AVX-512): per element, a coordinate near 0 can be off by a few
+    # 1e-6 (2.7e-6 at -0.0051 under AVX-512), and each float32 path is as far (5-8e-6 at scale 1) from
+    # the same sums in float64, where the two agree to 4e-7 (RMSNorm computes in float32 either way)
+    assert (grads[4] - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
 @pytest.mark.parametrize("settings", [[], ["loss.tis_cap=2.0"], ["rl.epochs_per_rollout=2"]])
