@@ -20,6 +20,7 @@ from loorl.algo.distribution import (  # noqa: F401  (re-exported: callers impor
 from loorl.algo.head_logprobs import DEFAULT_CHUNK_TOKENS, output_layer, scoring_head
 from loorl.algo.packing import pack, packed_attention_mask, plan_microbatches, unit_costs
 from loorl.types import RolloutBatch, SamplingConfig
+from loorl.util.hf_compat import activation_checkpointing, with_cache
 
 
 # ---- a model's log-probs of a rollout's completions ------------------------------------------------
@@ -50,7 +51,7 @@ def completion_logits(model, batch: RolloutBatch, *, share_prompt: bool = False,
 def can_share_prompt(model, batch: RolloutBatch) -> bool:
     """Groups of more than one row, a prompt to share, and a model whose forward keeps its key/value
     cache (transformers turns the cache off under gradient checkpointing in training mode)."""
-    checkpointing = getattr(model, "is_gradient_checkpointing", False) and model.training
+    checkpointing = activation_checkpointing(model) and model.training
     return batch.samples_per_prompt > 1 and batch.prompt_len > 0 and not checkpointing
 
 
@@ -76,7 +77,7 @@ def shared_prompt_logits(model, batch: RolloutBatch, *, head=None) -> torch.Tens
         input_ids=batch.input_ids[::k, :p_len],  # [G, P] one row per group
         attention_mask=batch.attention_mask[::k, :p_len],
         position_ids=positions[::k, :p_len],
-        past_key_values=cache,
+        **with_cache(cache),
         use_cache=True,
         logits_to_keep=1,
     )
@@ -90,7 +91,7 @@ def shared_prompt_logits(model, batch: RolloutBatch, *, head=None) -> torch.Tens
         input_ids=batch.input_ids[:, p_len:-1],  # [N, C-1] completion tokens 0..C-2
         attention_mask=batch.attention_mask[:, :-1],  # [N, P + C-1] the prompt, then the completion
         position_ids=positions[:, p_len:-1],
-        past_key_values=cache,
+        **with_cache(cache),
         use_cache=True,
     )
     return torch.cat([first, rest.logits], dim=1)  # [N, C, V] (or [N, C])

@@ -46,6 +46,7 @@ from loorl.rollout.engine import EngineContext, PolicyWeights, RolloutEngine
 from loorl.types import Completion, SamplingConfig
 from loorl.util.autocast import cached_autocast
 from loorl.util.hardware import cuda_available
+from loorl.util.hf_compat import with_cache
 from loorl.util.padding import pad
 
 log = logging.getLogger(__name__)
@@ -295,7 +296,7 @@ def one_token_logits(model, input_ids, position_ids, attention_mask, past_key_va
     """The next-token logits [b, V] of one decoding step: `input_ids`, `position_ids` [b, 1] against
     the cache (what `rollout.hf_decode=compiled` turns into one CUDA graph)."""
     return model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                 past_key_values=past_key_values, use_cache=True).logits[:, -1]  # fmt: skip
+                 **with_cache(past_key_values), use_cache=True).logits[:, -1]  # fmt: skip
 
 
 def static_cache_length(prompt_length: int, max_new_tokens: int, *, bucket: int = CACHE_BUCKET) -> int:
@@ -353,7 +354,7 @@ def decode(
             fresh = {"input_ids": ids[:, -1:], "position_ids": positions[:, -1:]}  # the last prompt token
         else:
             fresh = {"input_ids": ids, "position_ids": positions}
-        logits = model(**fresh, attention_mask=full_mask, past_key_values=kv, use_cache=True,
+        logits = model(**fresh, attention_mask=full_mask, **with_cache(kv), use_cache=True,
                        logits_to_keep=1).logits[:, -1]  # fmt: skip  # [b, V]
     else:
         if prefill_group > 1 and prompt_length > 1:
@@ -362,7 +363,7 @@ def decode(
         else:
             kv = DynamicCache(config=model.config)
             fresh = {"input_ids": ids, "position_ids": positions}
-        logits = model(**fresh, attention_mask=mask, past_key_values=kv, use_cache=True,
+        logits = model(**fresh, attention_mask=mask, **with_cache(kv), use_cache=True,
                        logits_to_keep=1).logits[:, -1]  # fmt: skip  # [b, V]
     compiled_on_cuda = step is not one_token_logits and ids.device.type == "cuda"
     stops = torch.tensor(eos_token_ids, device=ids.device)
@@ -501,7 +502,7 @@ def shared_prefill(model, ids: torch.Tensor, mask: torch.Tensor, n: int, into=No
         cache = preallocated_cache(model.config, into.layers[0].max_cache_len)
     head, head_mask = ids[:, :-1], mask[:, :-1]  # [g, P-1]
     positions = (head_mask.cumsum(-1) - 1).clamp(min=0)  # [g, P-1] left padding does not shift them
-    model(input_ids=head, attention_mask=head_mask, position_ids=positions, past_key_values=cache,
+    model(input_ids=head, attention_mask=head_mask, position_ids=positions, **with_cache(cache),
           use_cache=True, logits_to_keep=1)  # fmt: skip
     if into is None:
         cache.batch_repeat_interleave(n)  # [g, ...] -> [g*n, ...]
