@@ -3,11 +3,14 @@
     python scripts/import_graph.py [--edges]
 
 An import is an edge between two loorl modules (`import loorl.x`, `from loorl.x import y`,
-`from loorl import x`, function-level imports included; imports under `if TYPE_CHECKING:` are
-annotations only and are left out). "Upward" means the imported module sits in
-a higher layer than the importer, by `LAYERS` below (a module's layer is that of the longest
-prefix listed; the tree's own folders are the layers). A cycle is a strongly connected component
-of more than one module (Tarjan's algorithm, over the whole graph).
+`from loorl import x`, function-level imports included). Imports under `if TYPE_CHECKING:` are
+edges too, typing edges: an annotation that names a type of a higher layer ties the lower one to it
+as surely as a call does (a plug-in's documented signature would name it), so they count in
+`upward` and `cycles` like the others; `typing` says how many of the imports are typing only, and
+`--edges` marks them. "Upward" means the imported module sits in a higher layer than the importer,
+by `LAYERS` below (a module's layer is that of the longest prefix listed; the tree's own folders
+are the layers). A cycle is a strongly connected component of more than one module (Tarjan's
+algorithm, over the whole graph, typing edges included).
 """
 
 from __future__ import annotations
@@ -55,10 +58,11 @@ def layer(module: str) -> int | None:
     return rank
 
 
-def imports(path: Path, modules: set[str]) -> set[str]:
-    """The loorl modules `path` imports (a package import counts as its `__init__`)."""
+def imports(path: Path, modules: set[str]) -> dict[str, bool]:
+    """The loorl modules `path` imports (a package import counts as its `__init__`), each with True
+    when it is imported only under `if TYPE_CHECKING:` (a typing edge)."""
     me = module_name(path)
-    found = set()
+    found: dict[str, bool] = {}
     tree = ast.parse(path.read_text())
     typing_only = {
         id(n)
@@ -67,8 +71,7 @@ def imports(path: Path, modules: set[str]) -> set[str]:
         for n in ast.walk(block)
     }
     for node in ast.walk(tree):
-        if id(node) in typing_only:
-            continue
+        typing = id(node) in typing_only
         names = []
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
@@ -82,9 +85,10 @@ def imports(path: Path, modules: set[str]) -> set[str]:
             while n and n not in modules:
                 n = n.rpartition(".")[0]
             if n and n != me and n != "loorl":
-                found.add(n)
+                found[n] = found.get(n, True) and typing  # a run-time import anywhere makes it run-time
     # `from loorl.x import y` adds both loorl.x.y (when a module) and loorl.x: keep the most specific
-    return {n for n in found if not any(o.startswith(n + ".") for o in found) or n.endswith("__init__")}
+    specific = lambda n: not any(o.startswith(n + ".") for o in found) or n.endswith("__init__")
+    return {n: t for n, t in found.items() if specific(n)}
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -131,21 +135,25 @@ def main(argv=None) -> int:
     files = sorted(p for p in (ROOT / "loorl").rglob("*.py"))
     modules = {module_name(p) for p in files} - {"loorl"}
     files = [p for p in files if module_name(p) in modules]
-    graph = {module_name(p): imports(p, modules) for p in files}
+    found_imports = {module_name(p): imports(p, modules) for p in files}
+    graph = {a: set(bs) for a, bs in found_imports.items()}  # typing edges included
     edges = [(a, b) for a in sorted(graph) for b in sorted(graph[a])]
+    typing = {(a, b) for a, b in edges if found_imports[a][b]}
     upward = [(a, b) for a, b in edges if None not in (layer(a), layer(b)) and layer(b) > layer(a)]
     unlayered = sorted(m for m in modules if layer(m) is None)
     found = cycles(graph)
-    print(f"files: {len(files)}  imports: {len(edges)}  upward: {len(upward)}  cycles: {len(found)}")
+    print(f"files: {len(files)}  imports: {len(edges)}  typing: {len(typing)}  upward: {len(upward)}  "
+          f"cycles: {len(found)}")  # fmt: skip
+    mark = lambda a, b: "  (typing only)" if (a, b) in typing else ""
     for a, b in upward:
-        print(f"  upward: {a} -> {b}")
+        print(f"  upward: {a} -> {b}{mark(a, b)}")
     for c in found:
         print(f"  cycle: {' <-> '.join(c)}")
     if unlayered:
         print(f"  not in LAYERS: {', '.join(unlayered)}")
     if args.edges:
         for a, b in edges:
-            print(f"  {a} -> {b}")
+            print(f"  {a} -> {b}{mark(a, b)}")
     return 0
 
 

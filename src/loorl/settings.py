@@ -168,7 +168,8 @@ class EstimatorSettings(Section):
 
 @dataclass(frozen=True, config=SCHEMA)
 class LossSettings(Section):
-    """`loss`: the policy loss and its aggregation."""
+    """`loss`: the policy loss and its aggregation. The losses take it as `loorl.algo.objectives.LossParams`
+    (what they read of it, typed in their own layer), which it satisfies as it is."""
 
     name: str = "auto"  # the per-token loss, registered in loorl.algo.objectives
     target: str | None = None  # `_target_` in YAML: a dotted path to your own per-token loss (wins)

@@ -13,6 +13,8 @@ import torch
 
 from loorl.algo.estimators import AdvantageInput
 from loorl.algo.masked import masked_mean
+from loorl.algo.objectives import LossParams
+from loorl.types import RolloutBatch
 
 
 def _record(what: str) -> None:
@@ -43,12 +45,15 @@ def length_normalised_rloo(inp: AdvantageInput, *, whiten: bool = False, eps: fl
 length_normalised_rloo.min_group_size = 2
 
 
-def cispo_token_loss(logprobs: torch.Tensor, batch, settings) -> tuple[torch.Tensor, torch.Tensor]:
+def cispo_token_loss(
+    logprobs: torch.Tensor, batch: RolloutBatch, settings: LossParams
+) -> tuple[torch.Tensor, torch.Tensor]:
     """CISPO (MiniMax-M1): -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) * A * log pi per token.
 
     The clipped importance weight carries no gradient, so no token's gradient is ever dropped (PPO's
     clip zeroes it). On-policy the ratio is 1 and this is REINFORCE. Returns [n, C] and the tokens
-    whose weight was clipped."""
+    whose weight was clipped. `settings` is the algorithm layer's `LossParams` (the run passes its
+    `loss` section); this reads `clip_low` and `clip_high`."""
     _record("loss")
     old = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs  # [n, C]
     ratio = (logprobs.detach() - old).clamp(-20, 20).exp()  # [n, C]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import Literal, Protocol, get_args
 
 import torch
 
@@ -22,13 +22,41 @@ from loorl.parallel.distributed import all_reduce
 from loorl.types import RolloutBatch
 from loorl.util.plugins import import_object
 
-if TYPE_CHECKING:  # the settings layer sits above this one: it checks names against the registry here
-    from loorl.settings import LossSettings
-
 Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 RatioLevel = Literal["token", "sequence"]
 ISMode = Literal["truncate", "token_mask", "sequence_mask"]  # `loss.is_mode`: how the sampler ratio corrects
 AGGREGATIONS, RATIO_LEVELS, IS_MODES = get_args(Aggregation), get_args(RatioLevel), get_args(ISMode)
+
+
+class LossParams(Protocol):
+    """What a per-token loss and `policy_loss` read of the loss's settings: the algorithm layer's own
+    type, so that a plug-in loss is written against `loorl.algo` alone. The `loss` section of the
+    config (`loorl.settings.LossSettings`, a layer above this one: it checks `name` against the
+    registry here) has these attributes and is passed as it is, with no conversion; so is any object
+    that has them. Read-only: a loss never changes its settings."""
+
+    @property
+    def name(self) -> str: ...  # the registered per-token loss (`loss.name`)
+    @property
+    def target(self) -> str | None: ...  # a dotted path to a per-token loss outside loorl (wins over name)
+    @property
+    def agg(self) -> Aggregation: ...  # `aggregate`'s mode
+    @property
+    def clip_low(self) -> float: ...  # the clipped surrogate's band: [1 - clip_low, 1 + clip_high]
+    @property
+    def clip_high(self) -> float: ...
+    @property
+    def ratio_level(self) -> RatioLevel: ...  # token: pi/pi_old per token; sequence: GSPO's
+    @property
+    def tis_cap(self) -> float | None: ...  # the truncated importance weight's cap; None: off
+    @property
+    def is_mode(self) -> ISMode: ...  # truncate, or a mask of `sampler_ratio_mask`
+    @property
+    def is_low(self) -> float: ...  # the masks' band of the sampler ratio: [is_low, is_high]
+    @property
+    def is_high(self) -> float: ...
+    @property
+    def max_len(self) -> int: ...  # seq-mean-token-sum-norm's constant
 
 
 # ---- policy losses -----------------------------------------------------------------------------
@@ -103,7 +131,7 @@ _TOKEN_LOSSES: dict[str, TokenLoss] = {}
 
 
 def register_loss(name: str) -> Callable[[TokenLoss], TokenLoss]:
-    """Register `fn(logprobs [n, C], batch: RolloutBatch, settings: LossSettings)` under `name`.
+    """Register `fn(logprobs [n, C], batch: RolloutBatch, settings: LossParams)` under `name`.
 
     It returns the per-token loss [n, C] (its gradient is the policy gradient), or that and a bool
     [n, C] marking the tokens where a clip was active (`train/clip_frac`). `batch` holds the
@@ -138,14 +166,14 @@ def token_loss_of(name: str, target: str | None = None) -> TokenLoss:
 
 
 @register_loss("reinforce")
-def reinforce_loss(logprobs: torch.Tensor, batch: RolloutBatch, settings: LossSettings) -> torch.Tensor:
+def reinforce_loss(logprobs: torch.Tensor, batch: RolloutBatch, settings: LossParams) -> torch.Tensor:
     """-A * log pi [n, C], whatever the old log-probs: the on-policy REINFORCE loss."""
     return reinforce_token_loss(logprobs, batch.advantages)
 
 
 @register_loss("clipped")
 def clipped_loss(
-    logprobs: torch.Tensor, batch: RolloutBatch, settings: LossSettings
+    logprobs: torch.Tensor, batch: RolloutBatch, settings: LossParams
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's clipped surrogate (GSPO's with `loss.ratio_level=sequence`); on-policy the ratio is 1."""
     old = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs  # [n, C]
@@ -161,7 +189,7 @@ def clipped_loss(
 
 
 @register_loss("auto")
-def auto_loss(logprobs: torch.Tensor, batch: RolloutBatch, settings: LossSettings):
+def auto_loss(logprobs: torch.Tensor, batch: RolloutBatch, settings: LossParams):
     """REINFORCE at one optimizer step per rollout (no old log-probs: the ratio is exactly 1, and
     -A log pi has the same gradient without computing it), the clipped surrogate otherwise."""
     if batch.old_logprobs is None:
@@ -278,7 +306,7 @@ def policy_loss(
     logprobs: torch.Tensor,
     batch: RolloutBatch,
     *,
-    settings: LossSettings,
+    settings: LossParams,
     num_tokens: float,
     num_seqs: int,
     kl_coef: float | None = None,
