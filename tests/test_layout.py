@@ -1,5 +1,5 @@
 """The tree reads like the architecture: no module imports from a layer above its own, no cycles,
-imports under `if TYPE_CHECKING:` included (scripts/import_graph.py, README "Layout")."""
+imports under `if TYPE_CHECKING:` included (scripts/import_graph.py, docs/reference/layout.md)."""
 
 from __future__ import annotations
 

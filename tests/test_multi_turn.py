@@ -188,7 +188,9 @@ def test_with_tools_the_overlong_penalty_counts_against_the_samples_budget(quick
 
     _, task, path, tok, model = tiny
     shaping = ("reward.overlong.buffer=40", "reward.overlong.penalty=0.25")  # the whole budget: every token
-    dm, plain = (build_datamodule(quick_config(*DIGIT_TOOLS, *extra), task, tok, path) for extra in (shaping, ()))
+    dm, plain = (
+        build_datamodule(quick_config(*DIGIT_TOOLS, *extra), task, tok, path) for extra in (shaping, ())
+    )
     for d in (dm, plain):
         d.engine.sync(model)
     shaped, unshaped = dm.collect(step=1), plain.collect(step=1)

@@ -56,7 +56,7 @@ def test_keep_freed_memory_is_taken_by_glibc_and_the_process_runs_on():
     """In a fresh process (mallopt is process-wide): glibc accepts both settings, and allocation and
     freeing work after them. Whether a given freed block is reused without page faults varies from
     run to run here (the kernel reclaims idle pages too), so its effect is measured per training step
-    instead (README "Performance": 11.6 -> 7.7 s per SmolLM2 step)."""
+    instead (docs/performance/index.md: 11.6 -> 7.7 s per SmolLM2 step)."""
     code = textwrap.dedent(
         """
         import torch

@@ -3,6 +3,7 @@ each named by a `_target_` setting and defined in tests/plugins/ (nothing under 
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import subprocess
@@ -176,3 +177,41 @@ def test_a_built_in_engine_refuses_plug_in_options(quick_cfg, engine):
     """`rollout.options` belongs to a `_target_` engine: a built-in one says so instead of ignoring it."""
     with pytest.raises(ConfigError, match=rf"rollout.options.beams is set, but the {engine} engine takes no"):
         check_config(quick_cfg(f"rollout={engine}", "+rollout.options.beams=2"))
+
+
+DOC_EXAMPLES = ROOT / "docs" / "examples"
+
+
+def test_the_docs_task_and_reward_examples_train_two_steps(tmp_path, model_cache):
+    """docs/extending's worked task and reward (docs/examples/my_task.py, my_reward.py), as the pages
+    run them: `PYTHONPATH=docs/examples python src/train.py task._target_=my_task.LastDigitSums
+    '+reward.functions.digit=...'`. The task's rewards are its own (half credit for the last digit),
+    and the reward function runs beside the verifier at both steps."""
+    sys.path.insert(0, str(DOC_EXAMPLES))
+    try:
+        from my_reward import last_digit_credit
+        from my_task import LastDigitSums
+    finally:
+        sys.path.remove(str(DOC_EXAMPLES))
+    task = LastDigitSums(eval_size=5)
+    prompt = task._prompt(17, 25)
+    assert (prompt.text, prompt.answer) == ("17+25=", "42")
+    assert [task.grade(prompt, c) for c in ("42", " 32", "41")] == [(1.0, True), (0.5, False), (0.0, False)]
+    assert last_digit_credit(["17+25="] * 3, ["42", "12", ""], a=[17] * 3, b=[25] * 3) == [1.0, 1.0, None]
+    done = train_cli(
+        tmp_path, model_cache,
+        "task._target_=my_task.LastDigitSums",
+        "+reward.functions.digit={fn: {_target_: my_reward.last_digit_credit, _partial_: true}, weight: 0.5}",
+        PYTHONPATH=os.pathsep.join([str(DOC_EXAMPLES), str(TESTS), os.environ.get("PYTHONPATH", "")]),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    history = json.loads((tmp_path / "run" / "metrics.json").read_text())["history"]
+    assert [step for step, _ in history["rollout/reward_digit"]] == [0, 1]
+    with open(tmp_path / "run" / "samples.csv") as f:  # each sample's reward: the task's plus 0.5 x digit's
+        rows = list(csv.DictReader(f))
+    assert rows
+    for row in rows:
+        a, b = map(int, row["prompt"].rstrip("=").split("+"))
+        credit = last_digit_credit([row["prompt"]], [row["completion"]], a=[a], b=[b])[0] or 0.0
+        expected = task.reward(task._prompt(a, b), row["completion"]) + 0.5 * credit
+        assert float(row["reward"]) == pytest.approx(expected), row

@@ -345,7 +345,7 @@ class RecipeSettings(Section):
     microbatch_tokens: PositiveInt | None = None  # rl.microbatch_tokens (null: padded micro-batches)
 
 
-# Llama/Qwen-style decoder layers: every linear layer of attention and MLP (README "LoRA policies")
+# Llama/Qwen-style decoder layers: every linear layer of attention and MLP (docs/how-to/lora.md)
 LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

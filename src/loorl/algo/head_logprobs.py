@@ -26,7 +26,7 @@ import torch
 
 from loorl.algo.distribution import _check_temperature, _upcast, filter_logits
 
-DEFAULT_CHUNK_TOKENS = 512  # tokens per chunk of logits (see README "Memory"): 100 MB at V=49,152
+DEFAULT_CHUNK_TOKENS = 512  # tokens per chunk of logits (see docs/performance/memory.md): 100 MB at V=49,152
 
 
 def _row_blocks(n: int, chunk_tokens: int, parts: int = 8):

@@ -63,7 +63,7 @@ def trains_on_cuda(trainer: L.Trainer) -> bool:
 def determinism_note(*, on_cuda: bool, deterministic: bool | str | None, resuming: bool) -> str | None:
     """What a run on CUDA without `trainer.deterministic=true` should be told, or None.
 
-    CPU runs repeat bit for bit (README "Stopping and resuming"); GPU kernels that add in parallel
+    CPU runs repeat bit for bit (docs/how-to/resume.md); GPU kernels that add in parallel
     (atomics in backward passes, split reductions in cuBLAS) do not, so a resumed GPU run is the same
     run in distribution only, unless torch is asked for deterministic algorithms."""
     if not on_cuda or deterministic is True:

@@ -129,7 +129,7 @@ def apply_lora(model, lora: LoraSettings, *, seed: int, under_autocast: bool = F
     adapted layer alive for the backward, seven per decoder layer. Without the cast the adapters read
     the input the base layer saved already: the same values and gradients, bit for bit, and 11% fewer
     bytes kept for the tiny model's backward (tested). SmolLM2's LoRA run (10 steps, bf16) peaked at
-    12.3 GB resident either way: its peak is elsewhere (README "LoRA policies")."""
+    12.3 GB resident either way: its peak is elsewhere (docs/how-to/lora.md)."""
     from peft import LoraConfig, get_peft_model
 
     check_targets_in(model, lora.target_modules)

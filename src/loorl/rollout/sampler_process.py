@@ -21,7 +21,7 @@ nothing (tested: a run with its sampler in a process of its own logs the same me
 the training process, `rollout.devices=trainer`, both with one thread).
 
 Why a process with a copy of the HF engine, not vLLM's own engine-core process (V1 multiprocessing):
-on this CPU the HF engine is the faster sampler (README "Choosing the engine": ~2x vLLM-CPU's tokens/s
+on this CPU the HF engine is the faster sampler (docs/how-to/rollout-engines.md: ~2x vLLM-CPU's tokens/s
 on the tiny model), a shared-memory copy costs a memcpy where vLLM's engine core takes the weights
 through its RPC (pickled, then loaded), and one mechanism serves every engine class: the process
 runs whatever `rollout.engine` names, vLLM included (it then copies the shared weights into itself).

@@ -2,7 +2,7 @@
 
 `task=arithmetic_offset` is the same task with every reward shifted by a constant (`reward_offset`),
 as a reward model's scores are, whose zero point is arbitrary: leave-one-out and group-mean baselines
-are blind to the shift, REINFORCE without a baseline is not (README "Research workflow")."""
+are blind to the shift, REINFORCE without a baseline is not (docs/how-to/research.md)."""
 
 from __future__ import annotations
 
