@@ -1,4 +1,4 @@
-"""Run a named ablation as a Hydra multirun and turn it into an answer (README "Research workflow").
+"""Run a named ablation as a Hydra multirun and turn it into an answer (docs/how-to/research.md).
 
     python scripts/ablate.py estimators --seeds 3 --steps 150 [hydra overrides ...]
     python scripts/ablate.py [title] --from outputs/multirun/2026-11-22/10-00-00 [more sweep folders]

@@ -6,7 +6,7 @@ time is the median of `--repeats` runs.
     python scripts/bench_logprobs.py --rows 4 --length 512 --vocab 151936 --hidden 64
     python scripts/bench_logprobs.py --rows 64 --length 48 --vocab 49152 --hidden 576   # SmolLM2's head
 
-Prints a markdown table (README "Memory").
+Prints a markdown table (docs/performance/memory.md).
 """
 
 from __future__ import annotations

@@ -154,7 +154,7 @@ def test_qwen7b_model(default_cfg):
 
 @pytest.mark.parametrize("model", ["qwen7b", "llama8b"])
 def test_7b_recipes_keep_the_reference_on_the_gpu_sharded_with_the_policy(default_cfg, model):
-    """README "Memory of the 7B recipes": under FSDP on 80 GB cards the bf16 reference's shards fit beside the
+    """docs/performance/7b.md: under FSDP on 80 GB cards the bf16 reference's shards fit beside the
     policy's (1.8-1.9 GiB a GPU of 8), so the recipe keeps it there instead of scoring it on the CPU."""
     cfg = default_cfg(f"model={model}", "trainer=gpu", "strategy=fsdp", "trainer.devices=8")
     assert cfg.kl.coef > 0 and cfg.model.ref_dtype == "bfloat16"  # the recipe loads a reference

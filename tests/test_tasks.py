@@ -197,7 +197,7 @@ def test_reward_model_path_is_checked_before_loading(data_config, tmp_path):
 def test_hub_model_config_runs_with_a_local_model_of_its_architecture(make_config, hub, tmp_path):
     """The hub configs' code path (bf16 policy and reference, gradient checkpointing, reference offload)
     on a locally built model of the same architecture; only the weights differ. The 7B recipes keep the
-    reference on the GPU now (README "Memory of the 7B recipes"): llama8b's run offloads it explicitly."""
+    reference on the GPU now (docs/performance/7b.md): llama8b's run offloads it explicitly."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     tok = build_char_tokenizer()
