@@ -24,6 +24,15 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 DEPRECATIONS = (DeprecationWarning, PendingDeprecationWarning, FutureWarning)
+
+
+def is_deprecation(category: type[Warning], message: str) -> bool:
+    """A deprecation warning's category, or a UserWarning that says "deprecated" (omegaconf 2.4 announces
+    the end of `register_new_resolver` so)."""
+    said = issubclass(category, UserWarning) and "deprecated" in message
+    return issubclass(category, DEPRECATIONS) or said
+
+
 CALL_MACHINERY = ("torch/nn/modules/module.py",)  # frames between a forward's caller and the forward
 
 
@@ -67,7 +76,7 @@ def loorl_deprecations():
 
     def record(message, category=None, stacklevel=1, source=None, **kwargs):
         category = category or (message.__class__ if isinstance(message, Warning) else UserWarning)
-        if issubclass(category, DEPRECATIONS):
+        if is_deprecation(category, str(message)):
             found = caller_of_warning(sys._getframe(1))
             if found is not None and is_loorl(found[0]):
                 seen.append(Deprecation(category.__name__, str(message), f"{found[0]}:{found[1]}"))
@@ -81,7 +90,7 @@ def loorl_deprecations():
         finally:
             warnings.warn = original
     for w in raised:  # the C-raised ones: attributed to the Python frame that called into C
-        if issubclass(w.category, DEPRECATIONS) and is_loorl(w.filename):
+        if is_deprecation(w.category, str(w.message)) and is_loorl(w.filename):
             entry = Deprecation(w.category.__name__, str(w.message), f"{w.filename}:{w.lineno}")
             if not any(s.caller == entry.caller and s.message == entry.message for s in seen):
                 seen.append(entry)

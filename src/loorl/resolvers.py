@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 from omegaconf import OmegaConf
 
 from loorl.errors import ConfigError
@@ -68,8 +70,18 @@ def per_rank(name: str) -> str:
     return str(name) if rank == 0 else f"{name}_rank{rank}"
 
 
+def register_resolver(name: str, fn, *, replace: bool) -> None:
+    """OmegaConf's resolver registration under the name this release has without a warning:
+    `register_resolver` from omegaconf 2.4 (which deprecates `register_new_resolver`; before 2.4,
+    `register_resolver` was the legacy string-only API, so the name alone does not tell)."""
+    if "replace" in inspect.signature(OmegaConf.register_resolver).parameters:  # 2.4 and later
+        OmegaConf.register_resolver(name, fn, replace=replace)
+    else:
+        OmegaConf.register_new_resolver(name, fn, replace=replace)
+
+
 def register() -> None:
     for name, fn in (("loorl.sweep_group", sweep_group), ("loorl.sweep_job", sweep_job),
                      ("loorl.div", exact_div), ("loorl.fast_dtype", fast_dtype),
                      ("loorl.on_rank_zero", on_rank_zero), ("loorl.per_rank", per_rank)):  # fmt: skip
-        OmegaConf.register_new_resolver(name, fn, replace=True)
+        register_resolver(name, fn, replace=True)
