@@ -6,6 +6,7 @@ permissions)."""
 from __future__ import annotations
 
 import ast
+import fcntl
 import os
 import socket
 import tempfile
@@ -23,10 +24,21 @@ pytestmark = pytest.mark.skipif(
 
 
 def leftover_processes() -> list[int]:
-    """Live processes of any sandbox uid."""
+    """Live processes of a sandbox uid whose program has ended: its lock file (`sandbox._uid_slot`) is
+    free. A uid still locked runs a program now, another pytest-xdist worker's or another job's on the
+    machine (code tasks, the Python tool), and its processes are not left behind."""
     found = []
     for uid in range(sandbox.UID_BASE, sandbox.UID_BASE + sandbox.UID_SLOTS):
-        found += sandbox._uid_processes(uid)
+        lock = sandbox.LOCK_DIR / str(uid)
+        if not lock.exists():
+            found += sandbox._uid_processes(uid)
+            continue
+        with open(lock) as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a running program's uid
+            found += sandbox._uid_processes(uid)
     return found
 
 
