@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import tomllib
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 TORCH_ON_DISK = "2.13.0"  # the CPU build this machine's pip finds without a download (see the docstring)
@@ -47,9 +47,7 @@ SUBSET = [
 ]
 # vLLM's CPU build pins torch and caps transformers itself: its option is not part of the range
 DESELECTED = ["tests/test_configs.py::test_every_option_composes[rollout=vllm]"]
-REPORTED = ["torch", "lightning", "hydra-core", "omegaconf", "transformers", "tokenizers", "huggingface-hub",
-            "torchmetrics", "matplotlib", "safetensors", "tqdm", "math-verify", "pyarrow", "pydantic",
-            "scipy", "numpy"]  # fmt: skip
+INDIRECT = ["huggingface-hub", "numpy"]  # reported beside the core: what the core's range pulls in
 
 
 def core_requirements() -> list[str]:
@@ -61,11 +59,16 @@ def core_requirements() -> list[str]:
 def lowest_pins(requirements: list[str]) -> list[str]:
     """`name==lower` for each requirement with a `>=` bound (extras dropped: constraints name projects)."""
     pins = []
-    for req in requirements:
-        match = re.match(r"^([A-Za-z0-9_.-]+)(\[[^\]]*\])?\s*.*?>=\s*([0-9][0-9A-Za-z.]*)", req)
-        if match:
-            pins.append(f"{match.group(1)}=={match.group(3)}")
+    for req in map(Requirement, requirements):
+        lower = [spec.version for spec in req.specifier if spec.operator == ">="]
+        if lower:
+            pins.append(f"{req.name}=={lower[0]}")
     return pins
+
+
+def reported() -> list[str]:
+    """The packages whose versions the table shows: the core dependencies, then `INDIRECT`."""
+    return [Requirement(req).name for req in core_requirements()] + INDIRECT
 
 
 def run(command: list[str], log, **kwargs) -> int:
@@ -105,9 +108,9 @@ print(json.dumps(found))
 
 
 def versions(venv: Path) -> dict[str, str]:
-    """The installed versions of `REPORTED` in `venv`."""
+    """The installed versions of `reported()` in `venv`."""
     out = subprocess.run(
-        [str(venv / "bin" / "python"), "-c", VERSIONS, *REPORTED], capture_output=True, text=True
+        [str(venv / "bin" / "python"), "-c", VERSIONS, *reported()], capture_output=True, text=True
     )
     return json.loads(out.stdout or "{}")
 
@@ -151,7 +154,7 @@ def main() -> None:
             flush=True,
         )
     lines = ["| package | " + " | ".join(ends) + " |", "| --- | " + " | ".join("---" for _ in ends) + " |"]
-    for name in REPORTED:
+    for name in reported():
         lines.append(f"| {name} | " + " | ".join(results[w][0].get(name, "-") for w in ends) + " |")
     lines.append("| **subset** | " + " | ".join(results[w][2] for w in ends) + " |")
     table = "\n".join(lines)
