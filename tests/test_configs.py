@@ -260,11 +260,27 @@ def test_the_tools_settings_compose_and_are_off_by_default(default_cfg):
     python = check_config(default_cfg("tools=python"))
     assert python.tools.available["python"]["timeout_s"] == 5.0 and python.tools.timeout_s == 10.0
     every = ["tools.max_turns=2", "tools.max_tokens=64", "tools.timeout_s=1.5", "tools.max_result_chars=50",
-             "tools.result_format=' = {result}'", "tools.insert=text", "tools.workers=1"]  # fmt: skip
+             "tools.result_format=' = {result}'", "tools.insert=text", "tools.workers=1",
+             "tools.keep_cache=false"]  # fmt: skip
+    assert calc.tools.keep_cache
     s = check_config(default_cfg("tools=calculator", *every))
     t = s.tools
     assert (t.max_turns, t.max_tokens, t.timeout_s, t.max_result_chars) == (2, 64, 1.5, 50)
-    assert (t.result_format, t.insert, t.workers) == (" = {result}", "text", 1)
+    assert (t.result_format, t.insert, t.workers, t.keep_cache) == (" = {result}", "text", 1, False)
+
+
+def test_dr_grpos_constant_normaliser_is_the_samples_whole_budget(default_cfg):
+    """loss.max_len (seq-mean-token-sum-norm's constant) is the sample's generation limit: one turn
+    without tools, and with tools the budget over its turns and results, as Settings.completion_tokens
+    says (before: one turn, so a multi-turn sample's loss was scaled as if it were one turn long)."""
+    plain = check_config(default_cfg("estimator=dr_grpo", "rollout.max_new_tokens=12"))
+    assert plain.loss.max_len == plain.completion_tokens == 12
+    turns = check_config(default_cfg("estimator=dr_grpo", "tools=calculator", "rollout.max_new_tokens=12"))
+    assert turns.loss.max_len == turns.completion_tokens == 12 * (4 + 1)
+    budget = check_config(default_cfg("estimator=dr_grpo", "tools=calculator", "tools.max_tokens=40",
+                                      "rollout.max_new_tokens=12"))  # fmt: skip
+    assert budget.loss.max_len == budget.completion_tokens == 40
+    assert check_config(default_cfg("tools=calculator", "loss.max_len=7")).loss.max_len == 7
 
 
 def test_tis_cap_comes_from_the_model_config(default_cfg):

@@ -14,6 +14,7 @@ from loorl.algo.logprobs import completion_logprobs
 from loorl.build import build_datamodule, build_module
 from loorl.rollout.batch import assemble
 from loorl.rollout.hf_engine import HFEngine
+from loorl.rollout.kept_cache import continuations
 from loorl.rollout.multi_turn import ToolEngine
 from loorl.tools.toolset import ToolSet
 from loorl.types import SamplingConfig
@@ -165,7 +166,13 @@ def test_result_tokens_never_enter_the_loss_the_kl_or_the_entropy(quick_config, 
 def test_the_datamodule_samples_in_turns_and_logs_the_tools(quick_config, tiny):
     _, task, path, tok, model = tiny
     dm = build_datamodule(quick_config(*DIGIT_TOOLS), task, tok, path)
-    assert isinstance(dm.engine, ToolEngine)
+    assert isinstance(dm.engine, ToolEngine) and dm.engine.keep_cache  # the HF engine's dynamic cache on CPU
+    assert not build_datamodule(
+        quick_config(*DIGIT_TOOLS, "tools.keep_cache=false"), task, tok, path
+    ).engine.keep_cache
+    assert not build_datamodule(
+        quick_config(*DIGIT_TOOLS, "rollout.hf_decode=static"), task, tok, path
+    ).engine.keep_cache
     dm.engine.sync(model)
     rollout = dm.collect(step=1)
     stats, batch = rollout.stats, rollout.batch
@@ -238,3 +245,47 @@ def test_a_run_with_tools_records_the_tools_metrics_and_summarises_them(quick_co
         assert len(history[key]) == 2, key
     assert summary["tools_used_frac_mean"] == pytest.approx(sum(v for _, v in history["tools/used_frac"]) / 2)
     assert "| tools (rollouts, mean) |" in (tmp_path / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("greedy", [False, True], ids=["sampled", "greedy"])
+def test_a_turn_from_the_kept_cache_is_the_turn_a_fresh_prefill_gives(tiny, monkeypatch, greedy):
+    """The fast path (the engine's cache kept across turns, `kept_cache`) against the plain one it
+    replaces (each turn prefills the whole transcript again): the same ids, results and masks, and the
+    same sampler log-probs to float32 rounding, over batches with two calls and more per sample; and
+    the kept path really ran (every later turn continued from a cache, none fell back)."""
+    import loorl.rollout.hf_engine as hf_engine
+
+    _, task, _, tok, model = tiny
+    kept_turns = []
+
+    def counted(handles, transcripts):
+        parts = continuations(handles, transcripts)
+        kept_turns.append(parts is not None and sum(len(p.requests) for p in parts) == len(transcripts))
+        return parts
+
+    monkeypatch.setattr(hf_engine, "continuations", counted)
+    fast, plain = _tool_engine(tok, model), _tool_engine(tok, model)
+    plain.keep_cache = False
+    assert fast.keep_cache
+    ids = _prompt_ids(task, tok)
+    largest, most_calls = 0.0, 0
+    for seed in range(3, 23):  # at least 4 batches, until one holds a sample with two calls (sampled)
+        if seed >= 7 and (greedy or most_calls >= 2):
+            break
+        a = fast.generate(ids, n=1 if greedy else 4, greedy=greedy, seed=seed)
+        b = plain.generate(ids, n=1 if greedy else 4, greedy=greedy, seed=seed)
+        for x, y in zip((c for g in a for c in g), (c for g in b for c in g)):
+            assert (x.token_ids, x.policy_mask, x.turns, x.finished) == (
+                y.token_ids,
+                y.policy_mask,
+                y.turns,
+                y.finished,
+            )
+            assert [call.text for call in x.tool_calls] == [call.text for call in y.tool_calls]
+            largest = max(largest, max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)))
+            most_calls = max(most_calls, sum(call.made for call in x.tool_calls))
+    assert kept_turns and all(kept_turns)
+    assert most_calls >= (1 if greedy else 2)
+    assert largest < 1e-5, largest
+    print(f"kept vs prefilled again: {len(kept_turns)} continued turns, largest |log-prob difference| "
+          f"{largest:.2e}, up to {most_calls} calls a sample")  # fmt: skip

@@ -122,10 +122,12 @@ def tool_engine(engine, s: Settings, tokenizer):
     toolset.template_ids, how = insertion(tokenizer, s.tools.insert)
     budget = s.completion_tokens
     names = ", ".join(f"{t.name} ({t.start}...{t.end})" for t in toolset.tools)
-    log.info("tools: %s; up to %d calls and %d completion tokens per sample; %s", names,
-             s.tools.max_turns, budget, how)  # fmt: skip
-    return ToolEngine(engine, toolset, tokenizer, max_turns=s.tools.max_turns, max_tokens=budget,
-                      workers=s.tools.workers)  # fmt: skip
+    tools = ToolEngine(engine, toolset, tokenizer, max_turns=s.tools.max_turns, max_tokens=budget,
+                       workers=s.tools.workers, keep_cache=s.tools.keep_cache)  # fmt: skip
+    later = "continue from the engine's kept cache" if tools.keep_cache else "prefill the transcript again"
+    log.info("tools: %s; up to %d calls and %d completion tokens per sample; %s; later turns %s", names,
+             s.tools.max_turns, budget, how, later)  # fmt: skip
+    return tools
 
 
 def build_module(cfg_or_settings, model_path: str) -> PolicyGradientModule:

@@ -29,6 +29,7 @@ from loorl.settings import (
     RolloutSettings,
     RunSettings,
     ToolsSettings,
+    completion_budget,
 )
 
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -93,8 +94,7 @@ class Settings:
     def completion_tokens(self) -> int:
         """A sample's completion limit: one turn's `rollout.max_new_tokens`, or with tools the budget
         over all its turns and the results inserted between them (`tools.max_tokens`)."""
-        turn = self.rollout.max_new_tokens
-        return self.tools.budget(turn) if self.tools.max_turns else turn
+        return completion_budget(self.rollout.max_new_tokens, self.tools.max_turns, self.tools.max_tokens)
 
 
 def load_settings(cfg: DictConfig) -> Settings:
@@ -177,7 +177,7 @@ def checked_toolset(s: Settings, engine: type, tokenizer=None):
     from loorl.tools.toolset import build_toolset, check_tags
 
     check_engine(engine, engine.name)
-    budget, turn = s.tools.budget(s.rollout.max_new_tokens), s.rollout.max_new_tokens
+    budget, turn = s.completion_tokens, s.rollout.max_new_tokens  # the budget: with tools on, as here
     if budget < turn:
         raise ConfigError(
             f"tools.max_tokens={budget} is less than one turn (rollout.max_new_tokens={turn}): a sample's "

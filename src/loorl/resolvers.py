@@ -10,6 +10,9 @@
   start in it).
 - `${loorl.per_rank:name}`: name on global rank 0, `name_rank<r>` on the others (`hydra.job.name`, so
   that each process logs to its own file in a shared run folder).
+- `${loorl.completion_tokens:${rollout.max_new_tokens},${tools.max_turns},${tools.max_tokens}}`: a
+  sample's completion limit, one turn or with tools the budget over its turns
+  (`loorl.settings.completion_budget`; `loss.max_len`'s default).
 - `${loorl.fast_dtype:${trainer.accelerator}}`: 'bfloat16' where bf16 compute is fast on the device
   the run trains on (a timed probe on CPU, `loorl.util.hardware.fast_compute_dtype`), else 'float32'.
 """
@@ -57,6 +60,14 @@ def fast_dtype(accelerator: str = "auto") -> str:
     return fast_compute_dtype(str(accelerator))
 
 
+def completion_tokens(max_new_tokens, max_turns, max_tokens) -> int:
+    from loorl.settings import completion_budget
+
+    return completion_budget(
+        int(max_new_tokens), int(max_turns), None if max_tokens is None else int(max_tokens)
+    )
+
+
 def on_rank_zero(value):
     from lightning.pytorch.utilities import rank_zero_only  # the rank torchrun, srun or Lightning gave
 
@@ -83,5 +94,6 @@ def register_resolver(name: str, fn, *, replace: bool) -> None:
 def register() -> None:
     for name, fn in (("loorl.sweep_group", sweep_group), ("loorl.sweep_job", sweep_job),
                      ("loorl.div", exact_div), ("loorl.fast_dtype", fast_dtype),
-                     ("loorl.on_rank_zero", on_rank_zero), ("loorl.per_rank", per_rank)):  # fmt: skip
+                     ("loorl.on_rank_zero", on_rank_zero), ("loorl.per_rank", per_rank),
+                     ("loorl.completion_tokens", completion_tokens)):  # fmt: skip
         register_resolver(name, fn, replace=True)

@@ -469,6 +469,8 @@ class ToolsSettings(Section):
     result_format: str = " <result>{result}</result>"  # a result as text in the transcript
     insert: ToolInsert = "auto"  # text: result_format | template: the chat template's tool message | auto
     workers: PositiveInt = 2  # calls run at the same time (threads; the Python tool's sandbox processes)
+    keep_cache: bool = True  # the HF engine continues a sample from its key/value cache of the last turn
+    # (rollout.hf_decode dynamic); false: it prefills the whole transcript again each turn (the same ids)
     available: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -479,8 +481,18 @@ class ToolsSettings(Section):
             )
 
     def budget(self, max_new_tokens: int) -> int:
-        """Completion tokens per sample: `max_tokens`, or one turn's limit per possible turn."""
-        return self.max_tokens if self.max_tokens is not None else max_new_tokens * (self.max_turns + 1)
+        """Completion tokens per sample (`completion_budget`)."""
+        return completion_budget(max_new_tokens, self.max_turns, self.max_tokens)
+
+
+def completion_budget(max_new_tokens: int, max_turns: int, max_tokens: int | None) -> int:
+    """A sample's completion limit: one turn's `rollout.max_new_tokens` without tools; with tools,
+    `tools.max_tokens` over all its turns and the results between them, or one turn's limit per
+    possible turn (`Settings.completion_tokens`, and `loss.max_len`'s default by the resolver
+    `loorl.completion_tokens`)."""
+    if max_turns <= 0:  # no tools (a negative count is refused by tools.max_turns' own check, by name)
+        return max_new_tokens
+    return max_tokens if max_tokens is not None else max_new_tokens * (max_turns + 1)
 
 
 EvalSplit = Literal["eval", "train"]

@@ -403,12 +403,10 @@ class RolloutDataModule(L.LightningDataModule):
         finished = torch.tensor([[c.finished for c in g] for g in groups])  # [B, K]
         if self.settings.truncated == "zero":
             rewards = torch.where(finished | rewards.isnan(), rewards, torch.zeros_like(rewards))
-        # [B, K] the tokens each sample generated (multi-turn: without the inserted tool results)
-        lengths = torch.tensor(
-            [[len(c.token_ids) - c.inserted for c in g] for g in groups], dtype=torch.float
-        )
+        sizes = torch.tensor([[len(c.token_ids) for c in g] for g in groups], dtype=torch.float)  # [B, K]
+        inserted = torch.tensor([[c.inserted for c in g] for g in groups], dtype=torch.float)  # [B, K]
+        lengths = sizes - inserted  # [B, K] the tokens each sample generated (without tool results)
         if self.overlong.buffer:  # against the sample's limit, which counts inserted tool results too
-            sizes = torch.tensor([[len(c.token_ids) for c in g] for g in groups], dtype=torch.float)  # [B, K]
             penalty = overlong_penalty(sizes, max_len=self.completion_tokens, buffer=self.overlong.buffer,
                                        penalty=self.overlong.penalty)  # fmt: skip
             rewards = rewards + penalty  # [B, K] NaN stays NaN

