@@ -203,6 +203,9 @@ def test_vllm_multi_turn_samples_are_what_the_trainer_scores(quick_config, setup
     # generate with the module's started vLLM engine (one vLLM start per module: ~30 s on CPU)
     engine = ToolEngine(dm.engine, built.toolset, tok, max_turns=built.max_turns, max_tokens=built.max_tokens)
     engine.sync(module.policy, version=0)
+    # each later turn is a new request on the ids so far, whose prefill vLLM's prefix cache serves (on
+    # by default in this vLLM; the HF engine keeps its own cache across turns instead)
+    assert dm.engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
     prompts = _ids(tok, task.eval_prompts()[:40])
     groups = engine.generate(prompts, n=4, seed=3)
     flat = [c for g in groups for c in g]

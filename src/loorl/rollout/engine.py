@@ -94,6 +94,10 @@ class RolloutEngine(ABC):
     generates_in_trainer_precision: bool = False
     # True: `generate` takes `stop` and `max_new_tokens` (see there), so tools can run between turns
     stops_on_sequences: bool = False
+    # True: it also has `generate_keeping` and `continue_kept`, which keep a call's key/value cache for
+    # its rows' next turn (`loorl.rollout.kept_cache`; the HF engine's dynamic cache); False: each turn
+    # is a `generate` on the whole transcript so far
+    continues_turns: bool = False
     # set by an engine that samples in the background (`submit`): how long the last `receive` waited
     wait_seconds: float | None = None
     _submitted: tuple[list[list[Completion]], float] | None = None  # the default `submit`'s result

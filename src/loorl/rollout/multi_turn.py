@@ -91,7 +91,7 @@ class ToolEngine(RolloutEngine):
         whole transcript again (`loorl.rollout.kept_cache`)."""
         self.inner, self.toolset, self.tokenizer = inner, toolset, tokenizer
         self.max_turns, self.max_tokens, self.workers = max_turns, max_tokens, workers
-        self.keep_cache = keep_cache and getattr(inner, "continues_turns", False)
+        self.keep_cache = keep_cache and inner.continues_turns
         self.sampling, self.eos_token_ids, self.pad_token_id = (
             inner.sampling,
             inner.eos_token_ids,
