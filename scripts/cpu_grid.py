@@ -4,8 +4,9 @@
                                [--out outputs/cpu_grid] [hydra overrides ...]
 
 torch picks its CPU kernels by the widest vector extension the CPU has; `ATEN_CPU_CAPABILITY` lowers
-that choice, and reproduces another CPU's float results exactly (an AVX2-only EPYC's default run was
-matched to the last digit on an AVX-512 machine this way). Floating-point summation order then
+that choice, and reproduces another CPU's ATen kernels (an AVX2-only EPYC's default run was matched
+to the last digit on an AVX-512 machine this way; a 400-step `experiment=tiny_long_sums` warm start of
+another 2-core machine was not: docs/how-to/tools.md). Floating-point summation order then
 differs, so each capability warm-starts and trains its own tiny model: each gets its own model cache
 (`<out>/cache/<capability>`; the cache key names the settings, not the machine).
 
