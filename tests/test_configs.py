@@ -248,10 +248,7 @@ def test_the_tools_settings_compose_and_are_off_by_default(default_cfg):
     off = check_config(default_cfg())
     assert off.tools.max_turns == 0 and off.tools.available == {}
     calc = check_config(default_cfg("tools=calculator"))
-    assert (
-        calc.tools.max_turns == 4
-        and calc.tools.budget(calc.rollout.max_new_tokens) == 5 * calc.rollout.max_new_tokens
-    )
+    assert calc.tools.max_turns == 4 and calc.completion_tokens == 5 * calc.rollout.max_new_tokens
     assert calc.tools.available["calculator"] == {
         "_target_": "loorl.tools.Calculator",
         "start": "<calc>",
@@ -755,7 +752,7 @@ def test_ablation_tools_arms_differ_only_in_the_tool(default_cfg, tmp_path):
     with_tool, without = load_settings(calculator), load_settings(none)
     assert with_tool.rl == without.rl
     # the single turn has the calculator arm's budget per sample, the rest of the task is the same
-    assert without.rollout.max_new_tokens == with_tool.tools.budget(with_tool.rollout.max_new_tokens) == 64
+    assert without.rollout.max_new_tokens == with_tool.completion_tokens == 64
     assert {**with_tool.task, "max_new_tokens": 64} == without.task
     assert with_tool.run.val_every == without.run.val_every
     assert with_tool.run.checkpoint_every == 0 and not with_tool.run.export_policy

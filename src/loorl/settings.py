@@ -480,10 +480,6 @@ class ToolsSettings(Section):
                 "e.g. '<result>{result}</result>'"
             )
 
-    def budget(self, max_new_tokens: int) -> int:
-        """Completion tokens per sample (`completion_budget`)."""
-        return completion_budget(max_new_tokens, self.max_turns, self.max_tokens)
-
 
 def completion_budget(max_new_tokens: int, max_turns: int, max_tokens: int | None) -> int:
     """A sample's completion limit: one turn's `rollout.max_new_tokens` without tools; with tools,
