@@ -10,7 +10,9 @@ memory) pin the CPU with `ON_CPU`.
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import fcntl
 import importlib.util
 import json
 import os
@@ -20,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+from loorl import sandbox
 from loorl.errors import ConfigError
 from loorl.tools.calculator import Calculator
 from loorl.tools.toolset import BoundTool
@@ -219,3 +222,35 @@ def assert_run_outputs(run: Path) -> None:
     """Every output a finished run writes is in `run`."""
     missing = [name for name in RUN_OUTPUTS if not (run / name).exists()]
     assert not missing, missing
+
+
+def sandbox_leftovers(*, namespaced_only: bool = False) -> list[int]:
+    """Live processes of a sandbox uid whose program has ended: its lock file (`sandbox._uid_slot`) is
+    free. A uid still locked runs a program now (the other pytest-xdist worker's: code tasks, the
+    Python tool), and its processes are not left behind.
+
+    `namespaced_only`: count only processes in a PID namespace other than this one, where every
+    program of the `full` level runs (its uid is set inside the namespace, so nothing it starts can be
+    outside). A process of the range in this namespace is then not a sandbox's: the "stranger" of
+    test_sandbox_setups (a uid in the range that someone else runs), which the other worker may have
+    alive while test_sandbox looks."""
+    here = os.readlink("/proc/self/ns/pid")
+
+    def counted(pid: int) -> bool:
+        with contextlib.suppress(OSError):  # gone meanwhile: not left
+            return not namespaced_only or os.readlink(f"/proc/{pid}/ns/pid") != here
+        return False
+
+    found = []
+    for uid in range(sandbox.UID_BASE, sandbox.UID_BASE + sandbox.UID_SLOTS):
+        lock = sandbox.LOCK_DIR / str(uid)
+        if not lock.exists():
+            found += [pid for pid in sandbox._uid_processes(uid) if counted(pid)]
+            continue
+        with open(lock) as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a running program's uid
+            found += [pid for pid in sandbox._uid_processes(uid) if counted(pid)]
+    return found

@@ -6,7 +6,6 @@ permissions)."""
 from __future__ import annotations
 
 import ast
-import fcntl
 import os
 import socket
 import tempfile
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from fixtures import sandbox_leftovers
 from loorl import sandbox
 
 pytestmark = pytest.mark.skipif(
@@ -24,22 +24,9 @@ pytestmark = pytest.mark.skipif(
 
 
 def leftover_processes() -> list[int]:
-    """Live processes of a sandbox uid whose program has ended: its lock file (`sandbox._uid_slot`) is
-    free. A uid still locked runs a program now, another pytest-xdist worker's or another job's on the
-    machine (code tasks, the Python tool), and its processes are not left behind."""
-    found = []
-    for uid in range(sandbox.UID_BASE, sandbox.UID_BASE + sandbox.UID_SLOTS):
-        lock = sandbox.LOCK_DIR / str(uid)
-        if not lock.exists():
-            found += sandbox._uid_processes(uid)
-            continue
-        with open(lock) as handle:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # a running program's uid
-            found += sandbox._uid_processes(uid)
-    return found
+    """Processes a finished program of this file left (every program here runs at the `full` level,
+    inside a PID namespace of its own)."""
+    return sandbox_leftovers(namespaced_only=True)
 
 
 @pytest.fixture(autouse=True)
