@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import os
+import signal
 import socket
 import tempfile
 import threading
@@ -177,6 +178,51 @@ def test_a_grandchild_that_outlives_its_parent_is_gone_afterwards():
     result = sandbox.run(program)
     assert result.passed and result.stdout == "parent exits\n"
     assert leftover_processes() == []  # checked here too, not only by the fixture
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                status = Path(f"/proc/{entry}/status").read_text()
+            except OSError:
+                continue
+            if f"\nPPid:\t{pid}\n" in status:
+                found.append(int(entry))
+    return found
+
+
+def test_a_launcher_that_does_not_answer_is_killed_and_nothing_of_its_program_outlives_run(monkeypatch):
+    """A launcher told to end its namespace (SIGTERM) returns once the namespace is empty. One that
+    does not answer (stopped here) is killed after LAUNCHER_GRACE_S, and its init dies after it
+    (`PR_SET_PDEATHSIG`): `run` must not free the uid before that init and its children are gone."""
+    monkeypatch.setattr(sandbox, "LAUNCHER_GRACE_S", 0.5)
+    forks = 16
+    program = (
+        "import os, time\n"
+        f"for _ in range({forks}):\n    if os.fork() == 0:\n        time.sleep(300)\n"
+        "time.sleep(300)\n"
+    )
+    stopped = []
+
+    def stop_the_launcher_once_the_program_has_forked():
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not stopped:
+            for launcher in _children(os.getpid()):
+                inits = _children(launcher)
+                if inits and len(_children(inits[0])) == forks:
+                    os.kill(launcher, signal.SIGSTOP)
+                    stopped.append(launcher)
+            time.sleep(0.01)
+
+    stopper = threading.Thread(target=stop_the_launcher_once_the_program_has_forked)
+    stopper.start()
+    result = sandbox.run(program, timeout_s=3)
+    left = leftover_processes()  # at once: the fixture looks again later
+    stopper.join()
+    assert stopped and result.status == "timeout"
+    assert left == []
 
 
 def test_run_many_runs_in_parallel_in_order_each_program_with_its_own_uid():

@@ -79,6 +79,7 @@ WORKDIR = "/tmp/work"  # the scratch folder's path inside the program's mount na
 SCRATCH_PLACES = ("/tmp", "/var/tmp", "/dev/shm")  # private tmpfs mounts inside (where programs write)
 LEVELS = ("full", "namespaces", "uid", "none")  # strongest first
 LOADER_FAILED = "error while loading shared libraries"  # the dynamic loader's message (exit status 127)
+LAUNCHER_GRACE_S = 5.0  # how long a launcher told to end its namespace gets before it is killed
 
 
 @dataclass(frozen=True)
@@ -590,14 +591,19 @@ def _end(proc: subprocess.Popen, mode: Mode, uid: int | None) -> None:
     """End the program and everything it started, through what this sandbox owns: with namespaces the
     launcher kills its namespace's init (SIGTERM to the launcher; the launcher returns once the
     namespace is empty); without, the launcher's process group and (level uid) the processes of the
-    uid this sandbox holds. A launcher that does not answer in 5 s is killed, and its init with it."""
+    uid this sandbox holds. A launcher that does not answer in LAUNCHER_GRACE_S is killed, and its
+    init with it; the init then dies after the launcher, so (level full) the uid is swept until its
+    namespace is gone: the uid's lock, freed next, must not free a uid whose processes still live."""
     if mode.namespaces:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(timeout=5)
+                proc.wait(timeout=LAUNCHER_GRACE_S)
             except subprocess.TimeoutExpired:
-                proc.kill()  # the init has PR_SET_PDEATHSIG: the kernel ends the namespace
+                proc.kill()  # the init has PR_SET_PDEATHSIG: the kernel ends the namespace, soon
+                proc.wait()
+                if uid is not None:
+                    _kill_uid(uid)
         proc.wait()
         return
     with contextlib.suppress(ProcessLookupError):
