@@ -244,13 +244,12 @@ def sandbox_leftovers(*, namespaced_only: bool = False) -> list[int]:
     found = []
     for uid in range(sandbox.UID_BASE, sandbox.UID_BASE + sandbox.UID_SLOTS):
         lock = sandbox.LOCK_DIR / str(uid)
-        if not lock.exists():
-            found += [pid for pid in sandbox._uid_processes(uid) if counted(pid)]
-            continue
-        with open(lock) as handle:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # a running program's uid
+        with contextlib.ExitStack() as held:  # the shared lock, while the uid's processes are listed
+            if lock.exists():
+                handle = held.enter_context(open(lock))  # noqa: SIM115 - closed by the stack
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    continue  # a running program's uid
             found += [pid for pid in sandbox._uid_processes(uid) if counted(pid)]
     return found
