@@ -7,7 +7,6 @@ The processes are real: `torchrun` runs tests/dist_one_step.py; the CLI runs Lig
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fixtures import DIGIT_TOOLS, ON_CPU
+from fixtures import DIGIT_TOOLS, ON_CPU, child_env
 from loorl.config import check_config
 from loorl.errors import ConfigError
 from loorl.parallel.distributed import rank_block
@@ -44,7 +43,7 @@ RTOL = 1e-5  # float32, relative to the largest parameter of each tensor
 
 
 def _env() -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    env = child_env(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")  # the GPU node's packages kept
     env.pop("LOCAL_RANK", None)
     return env
 

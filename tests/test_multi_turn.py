@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from fixtures import DIGIT_TAGS, DIGIT_TOOLS, RESULT, tiny_parts
+from fixtures import DIGIT_TAGS, DIGIT_TOOLS, ON_CPU, RESULT, tiny_parts  # ON_CPU: the tiny model's device
 from loorl.algo.logprobs import completion_logprobs
 from loorl.build import build_datamodule, build_module
 from loorl.rollout.batch import assemble
@@ -165,13 +165,13 @@ def test_result_tokens_never_enter_the_loss_the_kl_or_the_entropy(quick_config, 
 
 def test_the_datamodule_samples_in_turns_and_logs_the_tools(quick_config, tiny):
     _, task, path, tok, model = tiny
-    dm = build_datamodule(quick_config(*DIGIT_TOOLS), task, tok, path)
+    dm = build_datamodule(quick_config(*DIGIT_TOOLS, *ON_CPU), task, tok, path)
     assert isinstance(dm.engine, ToolEngine) and dm.engine.keep_cache  # the HF engine's dynamic cache on CPU
     assert not build_datamodule(
-        quick_config(*DIGIT_TOOLS, "tools.keep_cache=false"), task, tok, path
+        quick_config(*DIGIT_TOOLS, *ON_CPU, "tools.keep_cache=false"), task, tok, path
     ).engine.keep_cache
     assert not build_datamodule(
-        quick_config(*DIGIT_TOOLS, "rollout.hf_decode=static"), task, tok, path
+        quick_config(*DIGIT_TOOLS, *ON_CPU, "rollout.hf_decode=static"), task, tok, path
     ).engine.keep_cache
     dm.engine.sync(model)
     rollout = dm.collect(step=1)
@@ -196,7 +196,8 @@ def test_with_tools_the_overlong_penalty_counts_against_the_samples_budget(quick
     _, task, path, tok, model = tiny
     shaping = ("reward.overlong.buffer=40", "reward.overlong.penalty=0.25")  # the whole budget: every token
     dm, plain = (
-        build_datamodule(quick_config(*DIGIT_TOOLS, *extra), task, tok, path) for extra in (shaping, ())
+        build_datamodule(quick_config(*DIGIT_TOOLS, *ON_CPU, *extra), task, tok, path)
+        for extra in (shaping, ())
     )
     for d in (dm, plain):
         d.engine.sync(model)
@@ -214,8 +215,8 @@ def test_with_tools_the_overlong_penalty_counts_against_the_samples_budget(quick
 def test_max_turns_zero_is_the_run_without_tools(quick_config, tiny):
     """tools.max_turns=0 builds no tool engine: the rollout is the plain engine's, with no tools/ metric."""
     _, task, path, tok, model = tiny
-    plain = build_datamodule(quick_config(), task, tok, path)
-    off = build_datamodule(quick_config("tools=calculator", "tools.max_turns=0"), task, tok, path)
+    plain = build_datamodule(quick_config(*ON_CPU), task, tok, path)
+    off = build_datamodule(quick_config(*ON_CPU, "tools=calculator", "tools.max_turns=0"), task, tok, path)
     assert type(off.engine) is type(plain.engine) is HFEngine
     for dm in (plain, off):
         dm.engine.sync(model)

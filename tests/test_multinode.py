@@ -24,7 +24,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fixtures import ON_CPU, assert_close_runs, assert_run_outputs, assert_same_run
+from fixtures import ON_CPU, assert_close_runs, assert_run_outputs, assert_same_run, child_env
 from loorl.training.checkpoints import complete_checkpoints, read_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +33,7 @@ QUICK = ["debug=quick", *ON_CPU, "trainer.enable_progress_bar=false"]
 
 
 def _env(**extra: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), TOKENIZERS_PARALLELISM="false", **extra)
+    env = child_env(TOKENIZERS_PARALLELISM="false", **extra)
     for key in (
         "LOCAL_RANK",
         "RANK",

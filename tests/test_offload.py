@@ -11,7 +11,6 @@ NCCL case itself is untested).
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fixtures import child_env
 from loorl.parallel.fsdp import clip_grad_norm_
 from loorl.training.strategies import FSDPStrategy, process_group_backend
 
@@ -78,7 +78,7 @@ def test_sharded_clipping_equals_torch_on_the_full_gradient(tmp_path, offload):
     out = tmp_path / "clip.pt"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     cmd += [str(ROOT / "tests" / "dist_clip.py"), "--out", str(out)] + (["--offload"] if offload else [])
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
+    env = child_env(OMP_NUM_THREADS="1")
     env.pop("LOCAL_RANK", None)
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
