@@ -10,16 +10,23 @@ Written by hand: transformers keeps no helper that spells a call for the release
 from __future__ import annotations
 
 import dataclasses
-import functools
+
+_cache_keyword: str | None = None  # cache_keyword's answer, once asked
 
 
-@functools.cache
 def cache_keyword() -> str:
-    """The keyword a model's forward takes its key/value cache by: "cache" (5.24 on) or "past_key_values"."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    """The keyword a model's forward takes its key/value cache by: "cache" (5.24 on) or "past_key_values".
 
-    fields = {field.name for field in dataclasses.fields(CausalLMOutputWithPast)}
-    return "cache" if "cache" in fields else "past_key_values"
+    Memoised by hand, not with functools.cache: `rollout.hf_decode=compiled` traces it inside the
+    compiled decoding step, and dynamo warns at every compile that it ignores an lru_cache wrapper
+    (seen in every compiled run's log on an H200)."""
+    global _cache_keyword
+    if _cache_keyword is None:
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        fields = {field.name for field in dataclasses.fields(CausalLMOutputWithPast)}
+        _cache_keyword = "cache" if "cache" in fields else "past_key_values"
+    return _cache_keyword
 
 
 def with_cache(cache) -> dict:
