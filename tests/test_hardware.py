@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
-import os
+import logging
 import subprocess
 import sys
+import warnings
 
+import pytest
 import torch
 
+from fixtures import child_env
 from loorl.util.hardware import (
+    TF32_HINTS,
     bf16_speedup,
     cpu_capability,
     dtype_for_speedup,
     fast_compute_dtype,
     matmul_seconds,
+    set_float32_matmul_precision,
 )
 
 PROBE = (
@@ -24,7 +29,7 @@ PROBE = (
 
 def _probe_in(env: dict[str, str]) -> list[str]:
     """The CPU's choice in a fresh process (CUDA hidden: on a GPU node a CUDA device decides first)."""
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", **env}
+    env = child_env(CUDA_VISIBLE_DEVICES="", **env)  # loorl importable where it is not installed (GPU node)
     done = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True)
     return done.stdout.split()
 
@@ -58,3 +63,42 @@ def test_the_reported_capability_follows_aten_cpu_capability():
 def test_the_experiment_resolves_the_dtype_per_machine(default_cfg):
     cfg = default_cfg("experiment=smollm2_arithmetic")
     assert cfg.model.dtype == fast_compute_dtype() == cfg.model.ref_dtype
+
+
+# ---- float32_matmul_precision ----------------------------------------------------------------------
+
+
+def test_float32_matmul_precision_defaults_to_highest_and_refuses_others_in_one_line(quick_cfg):
+    from loorl.config import check_config
+    from loorl.errors import ConfigError
+
+    assert check_config(quick_cfg()).run.float32_matmul_precision == "highest"
+    assert check_config(quick_cfg("float32_matmul_precision=high")).run.float32_matmul_precision == "high"
+    with pytest.raises(ConfigError) as err:
+        check_config(quick_cfg("float32_matmul_precision=tf32"))
+    message = str(err.value)
+    assert "\n" not in message and "float32_matmul_precision='tf32'" in message and "'high'" in message
+
+
+def test_the_precision_is_set_and_the_hints_to_change_it_leave_the_log(caplog):
+    """Seen on an H200: inductor warns at every compile and Lightning logs a line per run while float32
+    products run at 'highest'. Once the setting chose, neither reaches the log; other lines do."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+    before = torch.get_float32_matmul_precision()
+    try:
+        set_float32_matmul_precision("high")
+        assert torch.get_float32_matmul_precision() == "high"
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            set_float32_matmul_precision("highest")
+            warnings.warn(f"{TF32_HINTS[0]}. Consider setting it to 'high'", stacklevel=1)
+            warnings.warn("another warning", stacklevel=1)
+        assert torch.get_float32_matmul_precision() == "highest"
+        assert [str(w.message) for w in seen] == ["another warning"]
+        with caplog.at_level(logging.INFO):
+            rank_zero_info(f"A CUDA device ('H200') with Tensor Cores. {TF32_HINTS[1]}('high')`")
+            rank_zero_info("a line that stays")
+        assert "a line that stays" in caplog.text and "Tensor Cores" not in caplog.text
+    finally:
+        torch.set_float32_matmul_precision(before)

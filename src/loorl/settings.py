@@ -91,6 +91,8 @@ class RunSettings(Section):
     export_policy: bool = True
     # glibc keeps freed memory for reuse (loorl.util.allocator); auto: only when training on the CPU
     keep_freed_memory: Literal["auto", True, False] = "auto"
+    # float32 matrix products on CUDA (torch.set_float32_matmul_precision); high/medium: tensor cores
+    float32_matmul_precision: Literal["highest", "high", "medium"] = "highest"
 
 
 @dataclass(frozen=True, config=SCHEMA)

@@ -34,7 +34,7 @@ from loorl.training.checkpoints import (
 )
 from loorl.training.rank_checks import RankChecks
 from loorl.util.allocator import keep_freed_memory, keeps_freed_memory, release_memory
-from loorl.util.hardware import cuda_available
+from loorl.util.hardware import cuda_available, set_float32_matmul_precision
 from loorl.util.peak_memory import reset_peak_memory
 
 log = logging.getLogger(__name__)
@@ -112,6 +112,7 @@ def train_job(cfg: DictConfig) -> dict[str, float]:
     if rank_zero_only.rank == 0:  # one copy from a multi-process run (Lightning reads the rank from the env)
         OmegaConf.save(cfg, output_dir / "config.yaml", resolve=True)
     L.seed_everything(s.run.seed, workers=True, verbose=False)
+    set_float32_matmul_precision(s.run.float32_matmul_precision)
 
     task = build_task(s)
     facts = task.run_facts()  # e.g. the sandbox isolation of a code task: said once, and in summary.md

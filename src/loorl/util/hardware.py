@@ -67,6 +67,32 @@ def fast_compute_dtype(accelerator: str = "auto") -> str:
     return choice
 
 
+TF32_HINTS = (  # what torch's compiler and Lightning say while float32 products run at "highest"
+    "TensorFloat32 tensor cores for float32 matrix multiplication available but not enabled",
+    "To properly utilize them, you should set `torch.set_float32_matmul_precision",
+)
+
+
+class _DropTF32Hints(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(hint in record.getMessage() for hint in TF32_HINTS)
+
+
+def set_float32_matmul_precision(precision: str) -> None:
+    """`torch.set_float32_matmul_precision(precision)` (the `float32_matmul_precision` setting), and,
+    the choice being made in the config, the hints to change it that torch's inductor (a warning per
+    compile, seen in every compiled-decoding run on an H200) and Lightning (an info line per run) print
+    on GPUs with TF32 cores are dropped from the log."""
+    torch.set_float32_matmul_precision(precision)
+    import warnings
+
+    warnings.filterwarnings("ignore", message=TF32_HINTS[0])
+    for name in ("lightning.fabric.utilities.rank_zero", "lightning.pytorch.utilities.rank_zero"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropTF32Hints) for f in logger.filters):
+            logger.addFilter(_DropTF32Hints())
+
+
 def cuda_available() -> bool:
     return torch.cuda.is_available()
 
