@@ -15,6 +15,8 @@
   (`loorl.settings.completion_budget`; `loss.max_len`'s default).
 - `${loorl.fast_dtype:${trainer.accelerator}}`: 'bfloat16' where bf16 compute is fast on the device
   the run trains on (a timed probe on CPU, `loorl.util.hardware.fast_compute_dtype`), else 'float32'.
+- `${loorl.by_device:${trainer.accelerator},a,b}`: a where the run trains on the CPU, b where it trains
+  on CUDA (`loorl.util.hardware.uses_cuda`): a recipe's setting whose best value differs by device.
 """
 
 from __future__ import annotations
@@ -60,6 +62,12 @@ def fast_dtype(accelerator: str = "auto") -> str:
     return fast_compute_dtype(str(accelerator))
 
 
+def by_device(accelerator, on_cpu, on_cuda):
+    from loorl.util.hardware import uses_cuda
+
+    return on_cuda if uses_cuda(str(accelerator)) else on_cpu
+
+
 def completion_tokens(max_new_tokens, max_turns, max_tokens) -> int:
     from loorl.settings import completion_budget
 
@@ -95,5 +103,6 @@ def register() -> None:
     for name, fn in (("loorl.sweep_group", sweep_group), ("loorl.sweep_job", sweep_job),
                      ("loorl.div", exact_div), ("loorl.fast_dtype", fast_dtype),
                      ("loorl.on_rank_zero", on_rank_zero), ("loorl.per_rank", per_rank),
-                     ("loorl.completion_tokens", completion_tokens)):  # fmt: skip
+                     ("loorl.completion_tokens", completion_tokens),
+                     ("loorl.by_device", by_device)):  # fmt: skip
         register_resolver(name, fn, replace=True)
