@@ -41,13 +41,15 @@ def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
 class ProfileSteps(L.Callback):
     """The torch profiler around RL steps [first, first + count)."""
 
-    def __init__(self, first: int, count: int) -> None:
-        self.first, self.count, self.profiler = first, count, None
+    def __init__(self, first: int, count: int, *, cuda: bool = False) -> None:
+        self.first, self.count, self.profiler, self.cuda = first, count, None, cuda
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         if trainer.current_epoch == self.first:
-            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                                   with_flops=True)  # fmt: skip
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.cuda:
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities, with_flops=True)
             self.profiler.__enter__()
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
@@ -55,20 +57,57 @@ class ProfileSteps(L.Callback):
             self.profiler.__exit__(None, None, None)
 
 
-def phase_flops(profiler) -> dict[str, float]:
-    """Counted FLOPs per phase: each operator goes to its innermost enclosing `loorl/<phase>` range."""
-    flops = dict.fromkeys(PHASES, 0.0)
+def phase_of(event) -> str:
+    """The loorl phase of the innermost `loorl/<phase>` range enclosing a profiled operator."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("loorl/"):
+            return parent.name.removeprefix("loorl/")
+        parent = parent.cpu_parent
+    return "other"
+
+
+def phase_totals(profiler, value) -> dict[str, float]:
+    """`value(event)` summed per phase over the profiled operators (where it is non-zero)."""
+    totals = dict.fromkeys(PHASES, 0.0)
     for event in profiler.events():
-        if not event.flops:
-            continue
-        parent, phase = event.cpu_parent, "other"
-        while parent is not None:
-            if parent.name.startswith("loorl/"):
-                phase = parent.name.removeprefix("loorl/")
-                break
-            parent = parent.cpu_parent
-        flops[phase] = flops.get(phase, 0.0) + event.flops
-    return flops
+        amount = value(event)
+        if amount:
+            phase = phase_of(event)
+            totals[phase] = totals.get(phase, 0.0) + amount
+    return totals
+
+
+def device_seconds(event) -> float:
+    """Seconds of the kernels an operator launched itself (torch reports microseconds). A
+    `record_function` range (loorl's phases, a compiled graph's region) also has a device-side span,
+    which is not a kernel: it counts 0 (the first CUDA run summed them into `other`)."""
+    if getattr(event, "is_user_annotation", False):
+        return 0.0
+    return getattr(event, "self_device_time_total", 0.0) / 1e6
+
+
+def top_kernels(profiler, count: int = 15) -> list[str]:
+    """Markdown rows of the operators with the most device time (self), over the profiled steps."""
+    averages = [a for a in profiler.key_averages() if not getattr(a, "is_user_annotation", False)]
+    ranked = sorted(averages, key=lambda a: getattr(a, "self_device_time_total", 0.0), reverse=True)
+    rows = []
+    for a in ranked[:count]:
+        rows.append(f"| `{a.key[:70]}` | {a.count} | {getattr(a, 'self_device_time_total', 0.0) / 1e3:.1f} |")
+    return rows
+
+
+def gpu_matmul_peak(dtype: torch.dtype, n: int = 4096, repeats: int = 10) -> float:
+    """GFLOP/s of an n x n x n matrix product in `dtype` on the current GPU (CUDA events)."""
+    a, b = torch.randn(n, n, device="cuda", dtype=dtype), torch.randn(n, n, device="cuda", dtype=dtype)
+    a @ b
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * n**3 * repeats / (start.elapsed_time(end) / 1e3) / 1e9
 
 
 def main() -> None:
@@ -90,7 +129,8 @@ def main() -> None:
                                           "val_pass_k=0", "checkpoint_every=0", "export_policy=false",
                                           "trainer.enable_progress_bar=false", "logger=csv",
                                           f"output_dir={run_dir}"])  # fmt: skip
-    profile = ProfileSteps(args.warmup, args.steps)
+    cuda = cfg.trainer.accelerator in ("gpu", "cuda") and torch.cuda.is_available()
+    profile = ProfileSteps(args.warmup, args.steps, cuda=cuda)
     original = L.Trainer.__init__
 
     def with_profile(self, *a, callbacks=None, **kw):  # train() builds its Trainer: add the callback
@@ -108,26 +148,29 @@ def main() -> None:
     timed = rows[args.warmup + args.steps :]  # after the profiled steps, unprofiled
     seconds = {p: statistics.fmean(float(r.get(f"perf/{p}_seconds") or 0.0) for r in timed) for p in PHASES}
     step = statistics.fmean(float(r["perf/step_seconds"]) for r in timed)
-    flops = {p: f / args.steps for p, f in phase_flops(profile.profiler).items()}
+    flops = {p: f / args.steps for p, f in phase_totals(profile.profiler, lambda e: e.flops).items()}
+    busy = {p: s / args.steps for p, s in phase_totals(profile.profiler, device_seconds).items()}
     compute = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-    peak = matmul_peak(compute)
+    peak = gpu_matmul_peak(compute) if cuda else matmul_peak(compute)
+    where = torch.cuda.get_device_name() if cuda else f"{torch.get_num_threads()} threads"
     lines = [
         f"## Step profile: `{' '.join(args.overrides) or 'the default run'}`",
         "",
         f"Mean over {args.steps} unprofiled RL steps: {step:.2f} s per step (FLOPs: {args.steps} profiled "
         f"steps before them, after {args.warmup} warm-up steps). Peak: a 2048^3 "
-        f"{str(compute).removeprefix('torch.')} matrix product at {peak:.0f} GFLOP/s on "
-        f"{torch.get_num_threads()} threads.",
+        f"{str(compute).removeprefix('torch.')} matrix product at {peak:.0f} GFLOP/s on {where}.",
         "",
-        "| phase | seconds | share | GFLOP | GFLOP/s | of peak |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| phase | seconds | share | GFLOP | GFLOP/s | of peak |" + (" GPU busy s |" if cuda else ""),
+        "| --- | --- | --- | --- | --- | --- |" + (" --- |" if cuda else ""),
     ]
     for p in PHASES:
         s, gf = seconds.get(p, 0.0), flops.get(p, 0.0) / 1e9
         rate = gf / s if s > 0 else 0.0
-        lines.append(
-            f"| {p} | {s:.3f} | {100 * s / step:.0f}% | {gf:.1f} | {rate:.0f} | {100 * rate / peak:.0f}% |"
-        )
+        row = f"| {p} | {s:.3f} | {100 * s / step:.0f}% | {gf:.1f} | {rate:.0f} | {100 * rate / peak:.0f}% |"
+        lines.append(row + (f" {busy.get(p, 0.0):.3f} |" if cuda else ""))
+    if cuda:
+        lines += ["", f"Top operators by device time over the {args.steps} profiled steps:", ""]
+        lines += ["| operator | calls | device ms |", "| --- | --- | --- |", *top_kernels(profile.profiler)]
     text = "\n".join(lines) + "\n"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

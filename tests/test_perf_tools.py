@@ -48,8 +48,21 @@ def test_profiler_flops_go_to_the_enclosing_phase():
         with clock.phase("forward"):
             a @ a
         b @ b
-    flops = profile_step.phase_flops(prof)
+    flops = profile_step.phase_totals(prof, lambda e: e.flops)
     assert flops["forward"] == 2 * 64**3 and flops["other"] == 2 * 32**3 and flops["backward"] == 0
+
+
+def test_gpu_busy_seconds_count_kernels_not_the_phases_own_ranges():
+    """On CUDA a `record_function` range has a device-side span as long as the work under it; summed
+    with the kernels it double-counted them (the first H200 profile put 60 ms of 'GPU busy' in a
+    10 ms 'other' phase). A range counts 0, an operator its own kernels' microseconds."""
+    from types import SimpleNamespace
+
+    profile_step = _script("profile_step")
+    phase_range = SimpleNamespace(is_user_annotation=True, self_device_time_total=24_000.0)
+    operator = SimpleNamespace(is_user_annotation=False, self_device_time_total=2_000.0)
+    assert profile_step.device_seconds(phase_range) == 0.0
+    assert profile_step.device_seconds(operator) == pytest.approx(0.002)
 
 
 def test_keep_freed_memory_is_taken_by_glibc_and_the_process_runs_on():
