@@ -12,8 +12,9 @@ import torch
 
 from fixtures import tiny_model_and_prompts
 from loorl.errors import ConfigError
+from loorl.rollout.decoding import decode, static_cache_length
 from loorl.rollout.engine import EngineContext
-from loorl.rollout.hf_engine import HFEngine, decode, hf_decode, static_cache_length
+from loorl.rollout.hf_engine import HFEngine, hf_decode
 from loorl.types import SamplingConfig
 from loorl.util.padding import pad
 

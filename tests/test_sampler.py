@@ -224,10 +224,10 @@ def test_vllm_engine_stops_at_every_eos_id(quick_config, two_eos_dir):
 
 
 def test_inverse_cdf_sampling_draws_the_distribution_it_is_given():
-    """The HF engine's sampler (one uniform per row, `hf_engine.sample_tokens`) against the exact
+    """The HF engine's sampler (one uniform per row, `decoding.sample_tokens`) against the exact
     probabilities: frequencies within sampling error, never a truncated (-inf) entry, a point mass
     always, and the same draws for the same seed."""
-    from loorl.rollout.hf_engine import sample_tokens
+    from loorl.rollout.decoding import sample_tokens
 
     torch.manual_seed(0)
     logits = torch.randn(3, 50) * 2  # [3, 50]

@@ -1,0 +1,209 @@
+"""The HF engine's decoding loop: left-padded prompts in, sampled tokens and their log-probs out.
+
+The decoding loop (`decode`) is loorl's, not transformers' `generate`, for three reasons measured or
+seen here: (1) `generate` samples with `torch.multinomial`, which on CPU draws an exponential
+variate for every vocabulary entry of every row at every step (SmolLM2, 32 rows x 24 tokens: 0.7 s
+of a 3.3 s rollout); inverse-CDF sampling from one uniform per row is the same distribution at a
+fraction of the cost; (2) `generate` fills every setting left unset from the model's
+`generation_config.json` (an instruct model's repetition penalty, temperature, top-p), a different
+distribution from the one the trainer scores; here the sampler is `logprobs.filter_logits`, the
+very function the trainer scores with; (3) the n samples of a prompt share one prefill.
+
+The key/value cache is transformers' `DynamicCache` (grown at every token) or a preallocated
+one (`loorl.rollout.static_cache`); `loorl.rollout.hf_engine` picks which (`rollout.hf_decode`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loorl.rollout.static_cache import StaticCachePool, preallocated_cache
+from loorl.types import SamplingConfig
+from loorl.util.hf_compat import with_cache
+
+CACHE_BUCKET = 64  # a static cache's length is rounded up to this, so prompts of similar length share a graph
+
+
+def sample_tokens(logp: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row [b] drawn from log-probabilities [b, V] by inverting the CDF at a uniform.
+
+    The same distribution as `torch.multinomial`, from one random number per row instead of one
+    per vocabulary entry. float64 sums, so that 150k small probabilities add up without drift."""
+    cdf = logp.exp().cumsum(-1, dtype=torch.float64)  # [b, V]
+    u = torch.rand(cdf.shape[0], 1, generator=generator, dtype=torch.float64, device=cdf.device)  # [b, 1]
+    picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # [b, 1] first entry with cdf > u
+    return picked.clamp(max=cdf.shape[-1] - 1).squeeze(-1)  # [b]
+
+
+def one_token_logits(model, input_ids, position_ids, attention_mask, past_key_values) -> torch.Tensor:
+    """The next-token logits [b, V] of one decoding step: `input_ids`, `position_ids` [b, 1] against
+    the cache (what `rollout.hf_decode=compiled` turns into one CUDA graph)."""
+    return model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                 **with_cache(past_key_values), use_cache=True).logits[:, -1]  # fmt: skip
+
+
+def static_cache_length(prompt_length: int, max_new_tokens: int, *, bucket: int = CACHE_BUCKET) -> int:
+    """A static cache's length: prompt and completion, rounded up to `bucket` tokens."""
+    return -(-(prompt_length + max_new_tokens) // bucket) * bucket
+
+
+@torch.no_grad()
+def decode(
+    model,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    sampling: SamplingConfig | None,
+    max_new_tokens: int,
+    prefill_group: int,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+    generator: torch.Generator | None = None,
+    cache: str = "dynamic",
+    step=one_token_logits,
+    check_every: int = 1,
+    caches: StaticCachePool | None = None,
+    stop_sequences: list[list[int]] = (),
+    keep: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """Completions of left-padded prompts `ids`, `mask` [b, P]: tokens and their log-probs [b, C].
+
+    `sampling` None: greedy (argmax, log-probs 0). Otherwise each token is drawn from the sampler's
+    distribution, softmax(logits / temperature) truncated to top-k / top-p by the trainer's own
+    `filter_logits`, and its log-prob is under that distribution. Rows that ended (any EOS id)
+    continue with padding until every row has ended or the limit is reached. `cache`: dynamic (a
+    growing key/value cache; `prefill_group` > 1: rows come in groups of that many copies of a prompt,
+    which share one prefill, `shared_prefill`) or static (preallocated; every row prefills). `step`:
+    the one-token step (`one_token_logits`, or a compiled version of it). `check_every`: tokens between
+    checks that every row has ended (each one a host sync on CUDA); the samples do not depend on it.
+    `caches`: where a static cache is taken from and kept for the next call (None: a new one).
+    `stop_sequences`: token-id sequences that also end a row once its last tokens are one of them
+    (a tool call's closing tag, `loorl.tools`); the caller cuts each row after its first stop.
+    `keep`: also return the cache and its mask [b, T] (`decode_steps`), for the rows' next turn.
+    """
+    from transformers import DynamicCache
+
+    b, prompt_length = ids.shape
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [b, P] left padding does not shift them
+    if cache == "static":
+        # L: rounded up to a bucket where a compiled step's graph is reused across lengths, else exact
+        bucket = CACHE_BUCKET if step is not one_token_logits else 1
+        length = static_cache_length(prompt_length, max_new_tokens, bucket=bucket)  # L
+        full_mask = mask.new_zeros(b, length)  # [b, L] fixed shape: positions to come are 0
+        full_mask[:, :prompt_length] = mask
+        kv = preallocated_cache(model.config, length) if caches is None else caches.take(model, b, length)
+        if prefill_group > 1 and prompt_length > 1:  # each prompt's first P-1 tokens once, repeated
+            shared_prefill(model, ids[::prefill_group], mask[::prefill_group], prefill_group, into=kv)
+            fresh = {"input_ids": ids[:, -1:], "position_ids": positions[:, -1:]}  # the last prompt token
+        else:
+            fresh = {"input_ids": ids, "position_ids": positions}
+        logits = model(**fresh, attention_mask=full_mask, **with_cache(kv), use_cache=True,
+                       logits_to_keep=1).logits[:, -1]  # fmt: skip  # [b, V]
+    else:
+        if prefill_group > 1 and prompt_length > 1:
+            kv = shared_prefill(model, ids[::prefill_group], mask[::prefill_group], prefill_group)
+            fresh = {"input_ids": ids[:, -1:], "position_ids": positions[:, -1:]}  # the last prompt token
+        else:
+            kv = DynamicCache(config=model.config)
+            fresh = {"input_ids": ids, "position_ids": positions}
+        logits = model(**fresh, attention_mask=mask, **with_cache(kv), use_cache=True,
+                       logits_to_keep=1).logits[:, -1]  # fmt: skip  # [b, V]
+    tokens, logprobs, mask = decode_steps(
+        model, logits, kv, full_mask if cache == "static" else mask, positions[:, -1:] + 1,
+        sampling=sampling, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
+        pad_token_id=pad_token_id, generator=generator, step=step, check_every=check_every,
+        stop_sequences=stop_sequences, static_start=prompt_length if cache == "static" else None,
+    )  # fmt: skip
+    if keep:
+        return tokens, logprobs, kv, mask
+    return tokens, logprobs
+
+
+@torch.no_grad()
+def decode_steps(
+    model,
+    logits: torch.Tensor,
+    kv,
+    mask: torch.Tensor,
+    next_position: torch.Tensor,
+    *,
+    sampling: SamplingConfig | None,
+    max_new_tokens: int,
+    eos_token_ids: list[int],
+    pad_token_id: int,
+    generator: torch.Generator | None = None,
+    step=one_token_logits,
+    check_every: int = 1,
+    stop_sequences: list[list[int]] = (),
+    static_start: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The decoding loop of `decode` from a prefill's last logits [b, V], its cache `kv` and `mask`
+    [b, T] (the cache's columns; a static cache's whole length, its columns from `static_start` on
+    still to come) and each row's `next_position` [b, 1]. Returns tokens and their log-probs [b, C]
+    and the mask of what the cache then holds: every token but the last was fed to it (a dynamic
+    cache: [b, T + C - 1], 1 on the fed tokens, also those after a row ended)."""
+    from loorl.algo.distribution import filter_logits
+
+    b = logits.shape[0]
+    device = logits.device
+    compiled_on_cuda = step is not one_token_logits and device.type == "cuda"
+    stops = torch.tensor(eos_token_ids, device=device)
+    sequences = [torch.tensor(q, device=device) for q in stop_sequences if q]  # each [m]
+    ended = torch.zeros(b, dtype=torch.bool, device=device)  # [b]
+    tokens, logprobs = [], []
+    for i in range(max_new_tokens):
+        if sampling is None:
+            token = logits.argmax(-1)  # [b]
+            logp = torch.zeros(token.shape, device=device)  # [b]
+        else:
+            scaled = logits.float() / sampling.temperature  # [b, V]
+            scaled = filter_logits(scaled, top_k=sampling.top_k, top_p=sampling.top_p)  # [b, V]
+            all_logp = scaled.log_softmax(-1)  # [b, V]
+            token = sample_tokens(all_logp, generator)  # [b]
+            logp = all_logp.gather(-1, token[:, None]).squeeze(-1)  # [b]
+        token = token.masked_fill(ended, pad_token_id)  # [b] ended rows continue with padding
+        tokens.append(token)
+        logprobs.append(logp)
+        ended |= torch.isin(token, stops)
+        for q in sequences:  # the row's last len(q) tokens are the sequence q
+            if i + 1 >= len(q):
+                ended |= (torch.stack(tokens[i + 1 - len(q) :], dim=1) == q).all(-1)  # [b]
+        if i == max_new_tokens - 1 or ((i + 1) % check_every == 0 and bool(ended.all())):
+            break
+        if static_start is not None:
+            mask[:, static_start + i] = 1  # [b, L] in place
+        else:
+            mask = torch.cat([mask, mask.new_ones(b, 1)], dim=1)  # [b, T + i + 1]
+        if compiled_on_cuda:  # each replay of the CUDA graph starts a new step of its memory pool
+            torch.compiler.cudagraph_mark_step_begin()
+        logits = step(model, token[:, None], next_position, mask, kv)  # [b, V]
+        next_position = next_position + 1
+    return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1), mask  # [b, C], [b, C], [b, T']
+
+
+def shared_prefill(model, ids: torch.Tensor, mask: torch.Tensor, n: int, into=None):
+    """The key/value cache of each prompt's first P-1 tokens, computed once and repeated n times.
+    `into`: a `preallocated_cache` of the g * n rows, filled in place (the prefill runs on a g-row
+    one of the same length); None: a new growing cache.
+
+    `ids`, `mask` [g, P]: one left-padded row per prompt. `generate` given this cache for the n*g
+    expanded rows runs only their last prompt token and then decodes; the samples are those of a
+    plain call with the same seed (the cache holds the same values). transformers' `generate`
+    expands `num_return_sequences` before the prefill, so it would prefill every prompt n times.
+    """
+    from transformers import DynamicCache
+
+    if into is None:
+        cache = DynamicCache(config=model.config)
+    else:
+        cache = preallocated_cache(model.config, into.layers[0].max_cache_len)
+    head, head_mask = ids[:, :-1], mask[:, :-1]  # [g, P-1]
+    positions = (head_mask.cumsum(-1) - 1).clamp(min=0)  # [g, P-1] left padding does not shift them
+    model(input_ids=head, attention_mask=head_mask, position_ids=positions, **with_cache(cache),
+          use_cache=True, logits_to_keep=1)  # fmt: skip
+    if into is None:
+        cache.batch_repeat_interleave(n)  # [g, ...] -> [g*n, ...]
+        return cache
+    for target, source in zip(into.layers, cache.layers):
+        target.fill_repeated(source, n)
+    return into
