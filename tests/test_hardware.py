@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import warnings
@@ -102,3 +103,19 @@ def test_the_precision_is_set_and_the_hints_to_change_it_leave_the_log(caplog):
         assert "a line that stays" in caplog.text and "Tensor Cores" not in caplog.text
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def test_the_inductor_cache_is_one_per_cpu_capability_unless_the_user_chose_one(monkeypatch, tmp_path):
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from loorl.util.hardware import cpu_capability, inductor_cache_for_this_cpu
+
+    own = f"{default_cache_dir()}_{cpu_capability().lower()}"
+    for before in (None, default_cache_dir()):  # unset, or torch's default that torch itself wrote
+        if before is None:
+            monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        else:
+            monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", before)
+        assert inductor_cache_for_this_cpu() == own and os.environ["TORCHINDUCTOR_CACHE_DIR"] == own
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    assert inductor_cache_for_this_cpu() == str(tmp_path / "mine")

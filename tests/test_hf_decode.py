@@ -132,3 +132,45 @@ def test_auto_compiles_on_cuda_only_and_bad_choices_are_one_line(quick_cfg):
     assert "\n" not in str(err.value) and "rollout.hf_decode='graphs'" in str(err.value)
     assert "compiled" in str(err.value)
     assert load_settings(quick_cfg("rollout=hf")).rollout.hf_decode == "auto"
+
+
+CHILD = """
+import json, sys
+from loorl.models.load import load_causal_lm, load_tokenizer
+from loorl.rollout.hf_engine import HFEngine
+from loorl.types import SamplingConfig
+
+path, prompts = sys.argv[1], json.loads(sys.argv[2])
+tok, model = load_tokenizer(path), load_causal_lm(path, dtype="float32")
+def greedy(decoding):
+    engine = HFEngine(SamplingConfig(max_new_tokens=5), decoding=decoding, eos_token_ids=[tok.eos_token_id],
+                      pad_token_id=tok.pad_token_id)
+    engine.sync(model)
+    return [g[0].token_ids for g in engine.generate(prompts, n=1, greedy=True)]
+print(json.dumps({"compiled": greedy("compiled"), "eager": greedy("dynamic")}))
+"""
+
+
+@pytest.mark.slow
+def test_a_compiled_step_cached_at_one_cpu_capability_is_not_loaded_at_another(quick_config, tmp_path):
+    """Two processes, the machine's own ATen kernels then avx2, with the same temporary directory (so
+    the same default inductor cache): each compiled loop draws its eager loop's tokens, from a cache
+    of its capability's own. Sharing one cache, the second drew [29, 0, 0, 0, 0] against [29, 27, 1]
+    (`loorl.util.hardware.inductor_cache_for_this_cpu`)."""
+    import json
+    import subprocess
+    import sys
+
+    from fixtures import child_env, tiny_parts
+
+    _, task, path, tok, _ = tiny_parts(quick_config())
+    prompts = [tok(p.text, add_special_tokens=False).input_ids for p in task.eval_prompts()[:6]]
+    for capability in ({}, {"ATEN_CPU_CAPABILITY": "avx2"}):
+        env = child_env(TMPDIR=str(tmp_path), **capability)
+        env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        done = subprocess.run([sys.executable, "-c", CHILD, str(path), json.dumps(prompts)], env=env,
+                              capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        tokens = json.loads(done.stdout.strip().splitlines()[-1])
+        assert tokens["compiled"] == tokens["eager"], capability
+    assert len(list(tmp_path.glob("torchinductor_*_*"))) == 2  # one cache per capability

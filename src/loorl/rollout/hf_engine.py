@@ -47,7 +47,7 @@ from loorl.rollout.kept_cache import KeptRow, continuations, kept_after_turn
 from loorl.rollout.static_cache import StaticCachePool
 from loorl.types import Completion, SamplingConfig
 from loorl.util.autocast import cached_autocast
-from loorl.util.hardware import cuda_available
+from loorl.util.hardware import cuda_available, inductor_cache_for_this_cpu
 from loorl.util.hf_compat import with_cache
 from loorl.util.padding import pad
 
@@ -329,6 +329,8 @@ class HFEngine(RolloutEngine):
         if self.decoding != "compiled" or is_sharded(self.model):
             return one_token_logits
         if self._compiled_step is None:
+            if next(self.model.parameters()).device.type == "cpu":
+                inductor_cache_for_this_cpu()  # compiled kernels are not shared across CPU capabilities
             self._compiled_step = torch.compile(one_token_logits, mode="reduce-overhead", dynamic=False)
         return self._compiled_step
 

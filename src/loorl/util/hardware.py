@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 
 import torch
@@ -91,6 +92,25 @@ def set_float32_matmul_precision(precision: str) -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropTF32Hints) for f in logger.filters):
             logger.addFilter(_DropTF32Hints())
+
+
+def inductor_cache_for_this_cpu() -> str:
+    """Point torch's inductor at a compile cache of this CPU capability's own (unless the user chose
+    one: `TORCHINDUCTOR_CACHE_DIR`), and return it.
+
+    Inductor's cache key does not hold `ATEN_CPU_CAPABILITY`: a compiled decoding step cached by a
+    process at one capability and loaded by one at another drew wrong tokens here (the tiny model's
+    greedy [29, 0, 0, 0, 0] against the eager loop's [29, 27, 1]: torch 2.13, the default
+    capability then avx2, each on its own fresh cache and both right). A capability is fixed for a
+    process, so one directory per capability keeps every process on its own kernels."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    default = default_cache_dir()
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen is None or os.path.abspath(chosen) == os.path.abspath(default):  # torch sets its default
+        chosen = f"{default}_{cpu_capability().lower()}"
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = chosen
+    return chosen
 
 
 def cuda_available() -> bool:
