@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _script(name: str):
     spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # a dataclass in the script looks its module up there
     spec.loader.exec_module(module)
     return module
 
@@ -63,6 +64,54 @@ def test_gpu_busy_seconds_count_kernels_not_the_phases_own_ranges():
     operator = SimpleNamespace(is_user_annotation=False, self_device_time_total=2_000.0)
     assert profile_step.device_seconds(phase_range) == 0.0
     assert profile_step.device_seconds(operator) == pytest.approx(0.002)
+
+
+def test_the_generation_limits_are_the_hand_computed_ones():
+    """scripts/bench_engines.py's limits on a shape worked by hand: 1,000 linear weights, 2 layers of
+    2 query heads and 1 key/value head of width 8, 4 rows at a mean context of 10, 2-byte values."""
+    bench = _script("bench_engines")
+    shape = bench.Shape(rows=4, context=10, linear_weights=1000, layers=2, heads=2, kv_heads=1, head_dim=8,
+                        bytes_per_value=2)  # fmt: skip
+    assert bench.flops_per_token(shape) == 2 * 1000 + 2 * 2 * 2 * 2 * 8 * 10  # 3,280
+    assert bench.bytes_per_step(shape) == (1000 + 2 * 2 * 1 * 8 * 10 * 4) * 2  # 4,560
+    compute, memory = bench.limits(shape, flops_per_s=3280e3, bytes_per_s=4560e3)
+    assert compute == pytest.approx(1000) and memory == pytest.approx(4000)  # 1,000 steps/s x 4 rows
+    assert bench.slots_used([2, 4, 4, 2]) == 0.75  # 12 tokens in 4 rows x 4 steps
+
+
+def test_a_models_shape_counts_its_linear_weights_and_its_heads():
+    """A Qwen2 of hidden 8 (2 query heads, 1 key/value head of width 4), intermediate 16, one layer,
+    vocabulary 10, tied embeddings: q 64 + k 32 + v 32 + o 64 + gate, up, down 3 x 128 + head 80."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    bench = _script("bench_engines")
+    config = Qwen2Config(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)  # fmt: skip
+    shape = bench.model_shape(Qwen2ForCausalLM(config), rows=3, context=5.0, compute=torch.bfloat16)
+    assert shape.linear_weights == 64 + 32 + 32 + 64 + 3 * 128 + 80
+    assert (shape.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.bytes_per_value) == (
+        1,
+        2,
+        1,
+        4,
+        2,
+    )
+
+
+@pytest.mark.slow
+def test_the_generation_bench_times_a_path_and_splits_its_call(model_cache, tmp_path):
+    """scripts/bench_engines.py end to end on the quick tiny model: a row with a rate under the
+    limit, and the profiled call's split."""
+    out = tmp_path / "engines.md"
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_engines.py"), "--works", "tiny"]
+    cmd += ["--paths", "hf:dynamic", "--repeats", "1", "--profile", "--out", str(out)]
+    cmd += ["debug=quick", f"model.cache_dir={model_cache}"]
+    done = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| tiny")]
+    assert len(rows) == 2  # the rate's row and the profile's
+    rate, compute, share = (float(rows[0][i].replace(",", "").rstrip("%")) for i in (3, 4, 6))
+    assert 0 < rate < compute and 0 < share <= 100
 
 
 def test_keep_freed_memory_is_taken_by_glibc_and_the_process_runs_on():

@@ -75,13 +75,10 @@ def identity(s: Settings) -> dict:
     return run_identity(s, model=model_identity(s.model, s.task), strategy=s.strategy)
 
 
-def build_datamodule(
-    cfg_or_settings, task: Task, tokenizer, model_path: str, **evaluation
-) -> RolloutDataModule:
-    """The environment side: the task, the rollout engine and the reward functions. `evaluation`:
-    the DataModule's eval_samples, eval_split and eval_limit (src/eval.py)."""
-    s = as_settings(cfg_or_settings)
-    engine = build_engine(
+def build_rollout_engine(s: Settings, tokenizer, model_path: str):
+    """The run's rollout engine as the settings choose it, before tools or a sampler process wrap it
+    (`build_datamodule`; scripts/bench_engines.py times it alone)."""
+    return build_engine(
         s.rollout,
         tokenizer,
         model_path=model_path,
@@ -91,6 +88,15 @@ def build_datamodule(
         cuda=s.on_cuda,
         completion_tokens=s.completion_tokens,
     )
+
+
+def build_datamodule(
+    cfg_or_settings, task: Task, tokenizer, model_path: str, **evaluation
+) -> RolloutDataModule:
+    """The environment side: the task, the rollout engine and the reward functions. `evaluation`:
+    the DataModule's eval_samples, eval_split and eval_limit (src/eval.py)."""
+    s = as_settings(cfg_or_settings)
+    engine = build_rollout_engine(s, tokenizer, model_path)
     # multi-turn rollouts: tools run between turns (in the sampler process, one step off)
     if s.tools.max_turns:
         engine = tool_engine(engine, s, tokenizer)

@@ -155,12 +155,13 @@ def decode_steps(
         if sampling is None:
             token = logits.argmax(-1)  # [b]
             logp = torch.zeros(token.shape, device=device)  # [b]
-        else:
-            scaled = logits.float() / sampling.temperature  # [b, V]
-            scaled = filter_logits(scaled, top_k=sampling.top_k, top_p=sampling.top_p)  # [b, V]
-            all_logp = scaled.log_softmax(-1)  # [b, V]
-            token = sample_tokens(all_logp, generator)  # [b]
-            logp = all_logp.gather(-1, token[:, None]).squeeze(-1)  # [b]
+        else:  # a profiler range: scripts/bench_engines.py --profile reports sampling's share
+            with torch.profiler.record_function("loorl/sample"):
+                scaled = logits.float() / sampling.temperature  # [b, V]
+                scaled = filter_logits(scaled, top_k=sampling.top_k, top_p=sampling.top_p)  # [b, V]
+                all_logp = scaled.log_softmax(-1)  # [b, V]
+                token = sample_tokens(all_logp, generator)  # [b]
+                logp = all_logp.gather(-1, token[:, None]).squeeze(-1)  # [b]
         token = token.masked_fill(ended, pad_token_id)  # [b] ended rows continue with padding
         tokens.append(token)
         logprobs.append(logp)
