@@ -1,8 +1,9 @@
 """`rollout=hf`: sampling with the live policy module and its transformers key/value cache.
 
 It shares the policy's weights, so `sync` only points it at the module. On CPU and tiny models it
-is the fast engine (measured: ~18k tokens/s against vLLM-CPU's ~9k on the tiny model,
-`scripts/bench_engines.py`).
+is the fast engine (the tiny default's rollout: 10.6k tokens/s against vLLM-CPU's 6.2k; for SmolLM2
+vLLM-CPU is faster, 248 against 145 in bf16: `scripts/bench_engines.py`,
+docs/performance/generation.md).
 
 The decoding loop itself, loorl's and not transformers' `generate`, is `loorl.rollout.decoding`;
 its preallocated caches are `loorl.rollout.static_cache`.
