@@ -111,7 +111,8 @@ def test_the_inductor_cache_is_one_per_cpu_capability_unless_the_user_chose_one(
     from loorl.util.hardware import cpu_capability, inductor_cache_for_this_cpu
 
     own = f"{default_cache_dir()}_{cpu_capability().lower()}"
-    for before in (None, default_cache_dir()):  # unset, or torch's default that torch itself wrote
+    # unset; torch's default that torch itself wrote; the rule's choice in a parent at another capability
+    for before in (None, default_cache_dir(), f"{default_cache_dir()}_another"):
         if before is None:
             monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
         else:

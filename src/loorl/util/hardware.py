@@ -105,9 +105,12 @@ def inductor_cache_for_this_cpu() -> str:
     process, so one directory per capability keeps every process on its own kernels."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    default = default_cache_dir()
+    default = os.path.abspath(default_cache_dir())
     chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if chosen is None or os.path.abspath(chosen) == os.path.abspath(default):  # torch sets its default
+    # unset, torch's default (torch writes it there once it compiled), or a parent process's choice
+    # of this rule, inherited by a child that may run at another capability: this process's own
+    chosen = chosen and os.path.abspath(chosen)
+    if not chosen or chosen == default or chosen.startswith(default + "_"):
         chosen = f"{default}_{cpu_capability().lower()}"
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = chosen
     return chosen
