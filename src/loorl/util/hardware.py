@@ -81,9 +81,9 @@ class _DropTF32Hints(logging.Filter):
 
 def set_float32_matmul_precision(precision: str) -> None:
     """`torch.set_float32_matmul_precision(precision)` (the `float32_matmul_precision` setting), and,
-    the choice being made in the config, the hints to change it that torch's inductor (a warning per
-    compile, seen in every compiled-decoding run on an H200) and Lightning (an info line per run) print
-    on GPUs with TF32 cores are dropped from the log."""
+    the choice being made in the config, the hints to change it that torch's inductor (a warning when
+    it compiles float32 work, seen in the CUDA test set's log on an H200) and Lightning (an info line
+    per run) print on GPUs with TF32 cores are dropped from the log."""
     torch.set_float32_matmul_precision(precision)
     import warnings
 
@@ -100,8 +100,8 @@ def inductor_cache_for_this_cpu() -> str:
 
     Inductor's cache key does not hold `ATEN_CPU_CAPABILITY`: a compiled decoding step cached by a
     process at one capability and loaded by one at another drew wrong tokens here (the tiny model's
-    greedy [29, 0, 0, 0, 0] against the eager loop's [29, 27, 1]: torch 2.13, the default
-    capability then avx2, each on its own fresh cache and both right). A capability is fixed for a
+    greedy [29, 0, 0, 0, 0] against the eager loop's [29, 27, 1]: torch 2.13, the machine's own
+    kernels then avx2; each on a fresh cache of its own is right). A capability is fixed for a
     process, so one directory per capability keeps every process on its own kernels."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
