@@ -90,12 +90,6 @@ def slots_used(lengths: list[int]) -> float:
 
 
 # ---- measurements ----------------------------------------------------------------------------------
-def matmul_flops_per_s(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
-    from loorl.util.hardware import matmul_seconds
-
-    return 2 * n**3 / matmul_seconds(dtype, size=n, reps=repeats)
-
-
 def read_bytes_per_s(gigabytes: float = 1.0, repeats: int = 5) -> float:
     """The fastest of `repeats` full reads (a sum) of a `gigabytes` float32 tensor."""
     x = torch.ones(int(gigabytes * 2**30) // 4)
@@ -197,6 +191,8 @@ def bench_work(work: str, paths: list[str], *, repeats: int, profile: bool, extr
     from loorl.build import build_rollout_engine, build_task
     from loorl.models.load import load_causal_lm, load_tokenizer
     from loorl.models.sources import resolve_model_path
+    from loorl.rollout.vllm_engine import vllm_installed
+    from loorl.util.hardware import matmul_flops_per_s
 
     rows, base = [], compose_work(work, "hf:dynamic", extra)
     task = build_task(base)
@@ -213,7 +209,7 @@ def bench_work(work: str, paths: list[str], *, repeats: int, profile: bool, extr
     k = base.rl.samples_per_prompt
     peaks = {"flops": matmul_flops_per_s(compute), "bytes": read_bytes_per_s()}
     for name in paths:
-        if name == "vllm" and not _vllm_installed():
+        if name == "vllm" and not vllm_installed():
             print(f"{work} {name}: skipped (vllm is not installed)", flush=True)
             continue
         s = compose_work(work, name, extra)
@@ -248,12 +244,6 @@ def bench_work(work: str, paths: list[str], *, repeats: int, profile: bool, extr
         rows.append(row)
         engine.close()
     return rows
-
-
-def _vllm_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
 
 
 def table(rows: list[dict]) -> list[str]:

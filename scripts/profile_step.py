@@ -29,13 +29,8 @@ import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from loorl.config import CONF_DIR  # noqa: E402
-from loorl.util.hardware import matmul_seconds  # noqa: E402
+from loorl.util.hardware import matmul_flops_per_s, uses_cuda  # noqa: E402
 from loorl.util.profiling import PHASES  # noqa: E402
-
-
-def matmul_peak(dtype: torch.dtype, n: int = 2048, repeats: int = 5) -> float:
-    """GFLOP/s of an n x n x n matrix product in `dtype` (best of `repeats`, after a warm-up)."""
-    return 2 * n**3 / matmul_seconds(dtype, size=n, reps=repeats) / 1e9
 
 
 class ProfileSteps(L.Callback):
@@ -129,7 +124,7 @@ def main() -> None:
                                           "val_pass_k=0", "checkpoint_every=0", "export_policy=false",
                                           "trainer.enable_progress_bar=false", "logger=csv",
                                           f"output_dir={run_dir}"])  # fmt: skip
-    cuda = cfg.trainer.accelerator in ("gpu", "cuda") and torch.cuda.is_available()
+    cuda = uses_cuda(str(cfg.trainer.accelerator))  # the run's own device rule (auto included)
     profile = ProfileSteps(args.warmup, args.steps, cuda=cuda)
     original = L.Trainer.__init__
 
@@ -151,7 +146,7 @@ def main() -> None:
     flops = {p: f / args.steps for p, f in phase_totals(profile.profiler, lambda e: e.flops).items()}
     busy = {p: s / args.steps for p, s in phase_totals(profile.profiler, device_seconds).items()}
     compute = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-    peak = gpu_matmul_peak(compute) if cuda else matmul_peak(compute)
+    peak = gpu_matmul_peak(compute) if cuda else matmul_flops_per_s(compute) / 1e9  # GFLOP/s
     where = torch.cuda.get_device_name() if cuda else f"{torch.get_num_threads()} threads"
     lines = [
         f"## Step profile: `{' '.join(args.overrides) or 'the default run'}`",

@@ -18,6 +18,7 @@ from loorl.util.hardware import (
     cpu_capability,
     dtype_for_speedup,
     fast_compute_dtype,
+    matmul_flops_per_s,
     matmul_seconds,
     set_float32_matmul_precision,
 )
@@ -48,6 +49,7 @@ def test_the_choice_follows_the_measured_speed():
     if not torch.cuda.is_available():
         assert fast_compute_dtype() == dtype_for_speedup(bf16_speedup())
     assert matmul_seconds(torch.float32, size=64, reps=2) > 0
+    assert matmul_flops_per_s(torch.float32, size=64, reps=2) > 0
 
 
 def test_a_cpu_without_bf16_units_gets_float32():

@@ -41,6 +41,12 @@ def matmul_seconds(dtype: torch.dtype, *, size: int = 512, reps: int = 5) -> flo
     return max(best, 1e-9)
 
 
+def matmul_flops_per_s(dtype: torch.dtype, *, size: int = 2048, reps: int = 5) -> float:
+    """The CPU's matrix-product peak in `dtype`: FLOP/s of the fastest of `reps` [size, size] products
+    (the peak that scripts/profile_step.py and scripts/bench_engines.py measure against)."""
+    return 2 * size**3 / matmul_seconds(dtype, size=size, reps=reps)
+
+
 @functools.cache
 def bf16_speedup() -> float:
     """How many times faster a bf16 matrix product runs than a float32 one on this CPU (measured once
