@@ -8,8 +8,10 @@ takes its recipe's rollout shape (rl.prompts_per_step x rl.samples_per_prompt ro
 rollout.max_new_tokens, the sampler's temperature and top-k/p), its compute dtype (bf16 autocast
 over float32 weights where the recipe picks bf16, as the run samples) and the prompts of its RL step
 0, and times each path: `hf:dynamic`, `hf:static`, `hf:compiled` (the HF engine's `rollout.hf_decode`
-loops) and `vllm` (where it is installed). Tokens/s is the median over `--repeats` calls after one
-warm-up call (which pays compilation); start-up (engine creation, first sync) is its own column.
+loops), `hf:padded` (the dynamic loop with rows that ended decoding padding to the end, as before
+they left the batch) and `vllm` (where it is installed). Tokens/s is the median over `--repeats`
+calls after one warm-up call (which pays compilation); start-up (engine creation, first sync) is its
+own column.
 
 Beside each rate, the machine's limits at that shape, from two measurements made here:
 - compute: a 2048^3 matrix product in the compute dtype (FLOP/s), over the model's FLOPs per
@@ -43,7 +45,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import torch  # noqa: E402
 
 WORKS = {"tiny": [], "smollm2": ["experiment=smollm2_arithmetic"]}  # recipe overrides
-PATHS = ("hf:dynamic", "hf:static", "hf:compiled", "vllm")
+PATHS = ("hf:padded", "hf:dynamic", "hf:static", "hf:compiled", "vllm")
+DECODES_EVERY_ROW = ("hf:padded", "hf:static", "hf:compiled")  # rows that ended decode padding to the end
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "mkldnn")
 ATTENTION_OPS = ("scaled_dot_product", "aten::_softmax", "attention")
 
@@ -84,8 +87,11 @@ def limits(shape: Shape, *, flops_per_s: float, bytes_per_s: float) -> tuple[flo
     return compute, memory
 
 
-def slots_used(lengths: list[int]) -> float:
-    """Generated tokens over the row-steps a call decoded: every row runs until the longest ends."""
+def slots_used(lengths: list[int], *, every_row: bool = True) -> float:
+    """Generated tokens over the row-steps a call decoded. `every_row`: every row runs until the
+    longest ends; otherwise a row leaves the batch when it ends (all the row-steps were tokens)."""
+    if not every_row:
+        return 1.0
     return sum(lengths) / max(1, len(lengths) * max(lengths, default=0))
 
 
@@ -151,7 +157,7 @@ def generate(engine, prompts, *, n: int, scope, seed: int):
         return engine.generate(prompts, n=n, seed=seed)
 
 
-def time_path(call, *, repeats: int, profile: bool) -> dict:
+def time_path(call, *, repeats: int, profile: bool, every_row: bool = True) -> dict:
     """The median tokens/s of `repeats` seeded calls after a warm-up, their slots used, and (profile)
     where one more call's time goes."""
     call(seed=0)  # warm-up: compiles, allocates
@@ -165,7 +171,7 @@ def time_path(call, *, repeats: int, profile: bool) -> dict:
     out = {
         "rate": statistics.median(rates),
         "tokens": sum(lengths),
-        "slots": slots_used(lengths),
+        "slots": slots_used(lengths, every_row=every_row),
         "mean_length": statistics.fmean(lengths),
     }
     if profile:
@@ -179,7 +185,8 @@ def compose_work(work: str, path: str, extra: list[str]):
 
     from loorl.config import CONF_DIR, check_config
 
-    engine = ["rollout=vllm"] if path == "vllm" else ["rollout=hf", f"rollout.hf_decode={path.split(':')[1]}"]
+    decoding = "dynamic" if path == "hf:padded" else path.split(":")[-1]
+    engine = ["rollout=vllm"] if path == "vllm" else ["rollout=hf", f"rollout.hf_decode={decoding}"]
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         cfg = compose(
             "train", overrides=[*WORKS[work], "trainer.accelerator=cpu", *engine, *extra, "output_dir=unused"]
@@ -215,13 +222,15 @@ def bench_work(work: str, paths: list[str], *, repeats: int, profile: bool, extr
         s = compose_work(work, name, extra)
         started = time.perf_counter()
         engine = build_rollout_engine(s, tok, path)  # s pins the CPU
+        if name == "hf:padded":
+            engine.drop_ended = False  # the dynamic loop as it was: ended rows decode padding
         engine.sync(policy)
         startup = time.perf_counter() - started
         scope = (
             functools.partial(torch.autocast, "cpu", dtype=compute) if autocast else contextlib.nullcontext
         )
         call = functools.partial(generate, engine, prompts, n=k, scope=scope)
-        row = time_path(call, repeats=repeats, profile=profile)
+        row = time_path(call, repeats=repeats, profile=profile, every_row=name in DECODES_EVERY_ROW)
         shape = model_shape(
             policy,
             rows=len(prompts) * k,

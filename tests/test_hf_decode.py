@@ -174,3 +174,91 @@ def test_a_compiled_step_cached_at_one_cpu_capability_is_not_loaded_at_another(q
         tokens = json.loads(done.stdout.strip().splitlines()[-1])
         assert tokens["compiled"] == tokens["eager"], capability
     assert len(list(tmp_path.glob("torchinductor_*_*"))) == 2  # one cache per capability
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_rows_that_ended_leave_the_batch_and_every_row_draws_the_same_samples(tiny, greedy):
+    """`drop_ended` (the dynamic cache's default): a row that ended leaves the batch and its cache
+    instead of decoding padding. Each row draws the same tokens as when every row stays (its uniform
+    is still drawn for the whole batch), log-probs within float rounding of a smaller batch's matrix
+    products. The batch is seen to shrink: rows end at different tokens here (at EOS, or at a stop
+    sequence: the tiny model's greedy answers are all two digits long)."""
+    tok, model, ids = tiny
+    rows, mask = pad([i for i in ids for _ in range(4)], value=tok.pad_token_id, side="left")  # [b, P]
+    sampling = None if greedy else SamplingConfig(max_new_tokens=16, temperature=1.3)
+    runs, widths = [], []
+    for drop_ended in (False, True):
+        batch_sizes: list[int] = []
+        hook = model.register_forward_pre_hook(
+            lambda m, a, kw, seen=batch_sizes: seen.append(kw["input_ids"].shape[0]), with_kwargs=True
+        )
+        try:
+            runs.append(
+                decode(
+                    model.eval(),
+                    rows,
+                    mask,
+                    sampling=sampling,
+                    max_new_tokens=16,
+                    prefill_group=4,
+                    eos_token_ids=[tok.eos_token_id],
+                    pad_token_id=tok.pad_token_id,
+                    stop_sequences=[[29]],
+                    generator=torch.Generator().manual_seed(5),
+                    drop_ended=drop_ended,
+                )  # fmt: skip
+            )
+        finally:
+            hook.remove()
+        widths.append(batch_sizes)
+    (tokens, logp), (tokens_dropped, logp_dropped) = runs  # [b, C] each
+    assert set(widths[0][1:]) == {rows.shape[0]}  # the plain loop decodes every row to the end
+    assert min(widths[1][1:]) < rows.shape[0]  # rows left the batch
+    assert torch.equal(tokens_dropped, tokens)
+    last = (tokens == tok.eos_token_id) | (tokens == 29)  # [b, C] a row's last token
+    ended = torch.cumsum(last, dim=1) - last.long() > 0  # [b, C] after it
+    assert torch.allclose(logp_dropped[~ended], logp[~ended], atol=1e-5)
+    assert (logp_dropped[ended] == 0).all()
+
+
+def test_an_engine_that_keeps_its_cache_decodes_every_row(tiny):
+    """A cache kept for the next turn (tools) needs every row, so `keep` decodes without dropping."""
+    tok, model, ids = tiny
+    rows, mask = pad(ids, value=tok.pad_token_id, side="left")  # [b, P]
+    tokens, _, kv, kept_mask = decode(model.eval(), rows, mask, sampling=None, max_new_tokens=8,
+                                      prefill_group=1, eos_token_ids=[tok.eos_token_id],
+                                      pad_token_id=tok.pad_token_id, keep=True)  # fmt: skip
+    assert kv.layers[0].keys.shape[0] == rows.shape[0] == kept_mask.shape[0]
+    assert kept_mask.shape[1] == rows.shape[1] + tokens.shape[1] - 1
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_a_bf16_autocast_cache_is_stored_in_bf16_and_attends_to_the_same_values(tiny, attention):
+    """Under bf16 autocast the growing cache stores bf16 (keys came out float32 from the rotary
+    embedding, and a plain layer promoted its values to float32 too, so every step cast the whole
+    cache back), and the logits of a prefill and three decoding steps are bit-identical to a plain
+    `DynamicCache`'s: autocast rounds the attention's inputs to bf16 either way."""
+    from transformers import DynamicCache
+
+    from loorl.rollout.hf_engine import _attention
+    from loorl.rollout.kv_cache import growing_cache
+    from loorl.util.hf_compat import with_cache
+
+    tok, model, ids = tiny
+    rows, mask = pad(ids, value=tok.pad_token_id, side="left")  # [b, P]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [b, P]
+    runs, bf16 = [], torch.autocast("cpu", dtype=torch.bfloat16)
+    for cache in (DynamicCache(config=model.config), growing_cache(model.config)):
+        logits, step_ids, step_mask, step_positions = [], rows, mask, positions
+        with torch.no_grad(), _attention(model.eval(), attention), bf16:
+            for _ in range(4):
+                out = model(input_ids=step_ids, attention_mask=step_mask, position_ids=step_positions,
+                            **with_cache(cache), use_cache=True).logits[:, -1]  # fmt: skip  # [b, V]
+                logits.append(out)
+                step_ids = out.argmax(-1, keepdim=True)  # [b, 1]
+                step_mask = torch.cat([step_mask, step_mask.new_ones(len(rows), 1)], dim=1)
+                step_positions = step_positions[:, -1:] + 1  # [b, 1]
+        runs.append((torch.stack(logits), cache.layers[0].keys.dtype, cache.layers[0].values.dtype))
+    (plain, *plain_dtypes), (grown, *grown_dtypes) = runs
+    assert plain_dtypes == [torch.float32, torch.float32] and grown_dtypes == [torch.bfloat16, torch.bfloat16]
+    assert torch.equal(grown, plain)

