@@ -44,6 +44,8 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import torch  # noqa: E402
 
+from loorl.rollout.decoding import LEAVE_AT  # noqa: E402
+
 WORKS = {"tiny": [], "smollm2": ["experiment=smollm2_arithmetic"]}  # recipe overrides
 PATHS = ("hf:padded", "hf:dynamic", "hf:static", "hf:compiled", "vllm")
 DECODES_EVERY_ROW = ("hf:padded", "hf:static", "hf:compiled")  # rows that ended decode padding to the end
@@ -87,12 +89,17 @@ def limits(shape: Shape, *, flops_per_s: float, bytes_per_s: float) -> tuple[flo
     return compute, memory
 
 
-def slots_used(lengths: list[int], *, every_row: bool = True) -> float:
-    """Generated tokens over the row-steps a call decoded. `every_row`: every row runs until the
-    longest ends; otherwise a row leaves the batch when it ends (all the row-steps were tokens)."""
-    if not every_row:
-        return 1.0
-    return sum(lengths) / max(1, len(lengths) * max(lengths, default=0))
+def slots_used(lengths: list[int], *, leave_at: float | None = None) -> float:
+    """Generated tokens over the row-steps a call decoded, from its rows' lengths. `leave_at` None:
+    every row runs until the longest ends; otherwise rows that ended leave the batch once they are
+    that share of it (`decoding.LEAVE_AT`, checked at every token as on the CPU)."""
+    live, steps = sorted(lengths), 0
+    for i in range(max(lengths, default=0)):
+        steps += len(live)
+        ended = sum(1 for n in live if n <= i + 1)
+        if leave_at is not None and ended and ended >= leave_at * len(live):
+            live = live[ended:]
+    return sum(lengths) / max(1, steps)
 
 
 # ---- measurements ----------------------------------------------------------------------------------
@@ -157,7 +164,7 @@ def generate(engine, prompts, *, n: int, scope, seed: int):
         return engine.generate(prompts, n=n, seed=seed)
 
 
-def time_path(call, *, repeats: int, profile: bool, every_row: bool = True) -> dict:
+def time_path(call, *, repeats: int, profile: bool, leave_at: float | None = None) -> dict:
     """The median tokens/s of `repeats` seeded calls after a warm-up, their slots used, and (profile)
     where one more call's time goes."""
     call(seed=0)  # warm-up: compiles, allocates
@@ -171,7 +178,7 @@ def time_path(call, *, repeats: int, profile: bool, every_row: bool = True) -> d
     out = {
         "rate": statistics.median(rates),
         "tokens": sum(lengths),
-        "slots": slots_used(lengths, every_row=every_row),
+        "slots": slots_used(lengths, leave_at=leave_at),
         "mean_length": statistics.fmean(lengths),
     }
     if profile:
@@ -230,7 +237,8 @@ def bench_work(work: str, paths: list[str], *, repeats: int, profile: bool, extr
             functools.partial(torch.autocast, "cpu", dtype=compute) if autocast else contextlib.nullcontext
         )
         call = functools.partial(generate, engine, prompts, n=k, scope=scope)
-        row = time_path(call, repeats=repeats, profile=profile, every_row=name in DECODES_EVERY_ROW)
+        leave_at = None if name in DECODES_EVERY_ROW else LEAVE_AT
+        row = time_path(call, repeats=repeats, profile=profile, leave_at=leave_at)
         shape = model_shape(
             policy,
             rows=len(prompts) * k,

@@ -77,6 +77,11 @@ def test_the_generation_limits_are_the_hand_computed_ones():
     compute, memory = bench.limits(shape, flops_per_s=3280e3, bytes_per_s=4560e3)
     assert compute == pytest.approx(1000) and memory == pytest.approx(4000)  # 1,000 steps/s x 4 rows
     assert bench.slots_used([2, 4, 4, 2]) == 0.75  # 12 tokens in 4 rows x 4 steps
+    # leaving at half the batch: 4 rows for 2 steps, the 2 long ones for 2 more: 12 tokens in 12 slots
+    assert bench.slots_used([2, 4, 4, 2], leave_at=0.5) == 1.0
+    # leaving at 3/4: the 2 rows that ended after step 2 are not enough, all 5 run to the end
+    assert bench.slots_used([2, 4, 4, 2, 4], leave_at=0.75) == 16 / 20
+    assert bench.slots_used([1, 2, 3, 4], leave_at=0.25) == 10 / (4 + 3 + 2 + 1)
 
 
 def test_a_models_shape_counts_its_linear_weights_and_its_heads():
