@@ -46,7 +46,8 @@ def test_a_cpu_pinned_run_on_a_gpu_node_makes_cpu_choices(gpu_node, quick_cfg, m
     monkeypatch.setattr("loorl.rollout.factory.vllm_installed", lambda: True)
     s = load_settings(quick_cfg("trainer.accelerator=cpu", "rollout=auto"))
     assert s.accelerator == "cpu" and not s.on_cuda
-    assert resolve_engine("auto", cuda=s.on_cuda)[0] == "hf"
+    engine, why = resolve_engine("auto", cuda=s.on_cuda)  # vllm installed, yet the faster engine
+    assert engine == "hf" and "faster" in why and "generation.md" in why
     assert hf_decode("auto", cuda=s.on_cuda) == "dynamic"
     assert reward_device("cpu") == "cpu"
     # the CPU's own measured choice, not CUDA's bf16 support

@@ -14,7 +14,7 @@ from fixtures import tiny_model_and_prompts
 from loorl.errors import ConfigError
 from loorl.rollout.decoding import decode, static_cache_length
 from loorl.rollout.engine import EngineContext
-from loorl.rollout.hf_engine import HFEngine, hf_decode
+from loorl.rollout.hf_engine import HFEngine, choose_hf_decode, hf_decode
 from loorl.types import SamplingConfig
 from loorl.util.padding import pad
 
@@ -123,6 +123,9 @@ def test_checking_for_the_end_less_often_changes_no_sample(tiny, cache):
 def test_auto_compiles_on_cuda_only_and_bad_choices_are_one_line(quick_cfg):
     assert hf_decode("auto", cuda=True) == "compiled" and hf_decode("auto", cuda=False) == "dynamic"
     assert hf_decode("static", cuda=True) == "static"
+    assert "leave the batch" in choose_hf_decode("auto", cuda=False)[1]
+    assert "H200" in choose_hf_decode("auto", cuda=True)[1]
+    assert choose_hf_decode("static", cuda=False) == ("static", "rollout.hf_decode=static")
     assert static_cache_length(20, 5) == 64 and static_cache_length(60, 5) == 128
     from loorl.config import load_settings
 

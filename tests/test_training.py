@@ -174,8 +174,9 @@ def test_resume_from_checkpoint_continues_the_step_count(quick_cfg, tmp_path):
 
 
 def test_cli_run_log_is_quiet_and_useful(model_cache, tmp_path):
-    """`python src/train.py debug=quick` into a pipe (as under CI or nohup): the engine choice,
-    occasional progress lines, the validation numbers and the summary; no warnings, no redraws."""
+    """`python src/train.py debug=quick` into a pipe (as under CI or nohup): the engine and decoding
+    loop chosen, occasional progress lines, the validation numbers and the summary; no warnings, no
+    redraws."""
     import os
     import subprocess
     import sys
@@ -190,6 +191,7 @@ def test_cli_run_log_is_quiet_and_useful(model_cache, tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "rollout engine: hf" in out and "held-out greedy accuracy" in out
+    assert "key/value cache (rollout.hf_decode=auto: " in out  # which decoding loop, and why
     progress = [line for line in out.splitlines() if "val/accuracy" in line and "step " in line]
     assert len(progress) == 3, out  # before training, then every val_every=2 of the 4 steps
     noise = ("warn", "Tip", "Found ", "infer the", "deprecated", "GPU available", "\r", "Traceback")

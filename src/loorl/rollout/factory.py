@@ -26,7 +26,10 @@ def resolve_engine(name: str, *, cuda: bool | None = None) -> tuple[str, str]:
     if name != "auto":
         return name, f"rollout.engine={name}"
     if not (cuda_available() if cuda is None else cuda):
-        return "hf", "rollout=auto: training on the CPU, not CUDA, where the HF engine is the faster one"
+        return "hf", (
+            "rollout=auto: training on the CPU, where the HF engine is faster (SmolLM2's rollout: 294 "
+            "tokens/s against vLLM-CPU's 263; no start-up, no weight copy: docs/performance/generation.md)"
+        )
     if not vllm_installed():
         return "hf", f"rollout=auto: vllm is not installed ({VLLM_INSTALL_HINT})"
     return "vllm", "rollout=auto: CUDA and vllm are present"

@@ -121,10 +121,8 @@ class HFEngine(RolloutEngine):
         if attention is not None:
             log.info("the HF engine generates with %s attention (rollout.hf_attention=%s)",
                      attention, ctx.rollout.hf_attention)  # fmt: skip
-        decoding = hf_decode(ctx.rollout.hf_decode, cuda=ctx.on_cuda)
-        if decoding != "dynamic":
-            log.info("the HF engine decodes with a %s key/value cache (rollout.hf_decode=%s)",
-                     decoding, ctx.rollout.hf_decode)  # fmt: skip
+        decoding, why = choose_hf_decode(ctx.rollout.hf_decode, cuda=ctx.on_cuda)
+        log.info("the HF engine decodes with a %s key/value cache (%s)", decoding, why)
         return cls(
             ctx.rollout.sampling,
             batch_size=ctx.rollout.batch_size,
@@ -341,13 +339,23 @@ class HFEngine(RolloutEngine):
 
 
 def hf_decode(name: str, *, cuda: bool) -> str:
-    """`rollout.hf_decode` -> the decoding loop's cache: auto is compiled on CUDA (measured fastest
-    there: 5.4-5.7x `dynamic` on an H200 with SmolLM2), dynamic on CPU (where a compiled step saves no
-    launches, and the static cache's log-probs are not bit-identical across where the sampler runs:
-    see the module docstring)."""
-    if name == "auto":
-        return "compiled" if cuda else "dynamic"
-    return name
+    """`rollout.hf_decode` -> the decoding loop's cache (`choose_hf_decode` says why)."""
+    return choose_hf_decode(name, cuda=cuda)[0]
+
+
+def choose_hf_decode(name: str, *, cuda: bool) -> tuple[str, str]:
+    """`rollout.hf_decode` -> the decoding loop's cache and why, for the run log. auto is compiled
+    on CUDA (measured fastest there: 5.4-5.7x `dynamic` on an H200 with SmolLM2) and dynamic on CPU,
+    where rows that ended leave its batch (the static and compiled loops decode them to the end) and
+    it measured fastest (`scripts/bench_engines.py`), and where the static cache's log-probs are not
+    bit-identical across where the sampler runs (see the module docstring)."""
+    if name != "auto":
+        return name, f"rollout.hf_decode={name}"
+    if cuda:
+        return "compiled", ("rollout.hf_decode=auto: compiled on CUDA, 5.4-5.7x the dynamic loop on an H200 "
+                            "(docs/performance/gpu.md)")  # fmt: skip
+    return "dynamic", ("rollout.hf_decode=auto: dynamic on the CPU, where rows that ended leave the batch; "
+                       "the fastest loop there (docs/performance/generation.md)")  # fmt: skip
 
 
 def hf_attention(name: str, model_path: str, *, cuda: bool | None = None) -> str | None:
