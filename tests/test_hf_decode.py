@@ -265,3 +265,41 @@ def test_a_bf16_autocast_cache_is_stored_in_bf16_and_attends_to_the_same_values(
     (plain, *plain_dtypes), (grown, *grown_dtypes) = runs
     assert plain_dtypes == [torch.float32, torch.float32] and grown_dtypes == [torch.bfloat16, torch.bfloat16]
     assert torch.equal(grown, plain)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_a_cache_written_into_buffers_attends_as_a_concatenated_one(tiny, attention):
+    """`growing_cache(capacity=...)` (the loop with rows leaving) writes each token into buffers
+    preallocated once, repeats a shared prefill into them and moves the rows that stay to the front
+    in place. Its logits are bit-identical to the concatenating cache's through a shared prefill,
+    decoding steps and two leavings, and every step reads views of the same buffers (no new
+    allocation of the cache: the heap is not fragmented by a new size at every token)."""
+    from loorl.rollout.decoding import shared_prefill
+    from loorl.rollout.hf_engine import _attention
+    from loorl.util.hf_compat import with_cache
+
+    tok, model, ids = tiny
+    rows, mask = pad([i for i in ids for _ in range(2)], value=tok.pad_token_id, side="left")  # [b, P]
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [b, P]
+    runs, buffers = [], []
+    for capacity in (None, 64):
+        with torch.no_grad(), _attention(model.eval(), attention):
+            cache = shared_prefill(model, rows[::2], mask[::2], 2, capacity=capacity)
+            step_ids, step_mask, step_positions = rows[:, -1:], mask, positions[:, -1:]
+            logits, seen = [], set()
+            for i in range(6):
+                out = model(input_ids=step_ids, attention_mask=step_mask, position_ids=step_positions,
+                            **with_cache(cache), use_cache=True).logits[:, -1]  # fmt: skip  # [r, V]
+                logits.append(out)
+                seen.add(cache.layers[0].keys.untyped_storage().data_ptr())
+                step_ids = out.argmax(-1, keepdim=True)  # [r, 1]
+                step_mask = torch.cat([step_mask, step_mask.new_ones(len(step_ids), 1)], dim=1)
+                step_positions = step_positions + 1
+                if i in (1, 3):  # rows 0 and 2 of those left leave
+                    stay = torch.tensor([r for r in range(len(step_ids)) if r not in (0, 2)])
+                    cache.batch_select_indices(stay)
+                    step_ids, step_mask, step_positions = step_ids[stay], step_mask[stay], step_positions[stay]
+        runs.append(torch.cat(logits))
+        buffers.append(len(seen))
+    assert torch.equal(runs[1], runs[0])
+    assert buffers == [6, 1]  # a new cache tensor at every token, against one buffer

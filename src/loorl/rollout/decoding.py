@@ -114,11 +114,15 @@ def decode(
         logits = model(**fresh, attention_mask=full_mask, **with_cache(kv), use_cache=True,
                        logits_to_keep=1).logits[:, -1]  # fmt: skip  # [b, V]
     else:
+        drop_ended = drop_ended and not keep
+        # rows leaving: buffers of a bucketed length, which the next call of a similar length reuses
+        capacity = static_cache_length(prompt_length, max_new_tokens) if drop_ended else None
         if prefill_group > 1 and prompt_length > 1:
-            kv = shared_prefill(model, ids[::prefill_group], mask[::prefill_group], prefill_group)
+            kv = shared_prefill(model, ids[::prefill_group], mask[::prefill_group], prefill_group,
+                                capacity=capacity)  # fmt: skip
             fresh = {"input_ids": ids[:, -1:], "position_ids": positions[:, -1:]}  # the last prompt token
         else:
-            kv = growing_cache(model.config)
+            kv = growing_cache(model.config, capacity)
             fresh = {"input_ids": ids, "position_ids": positions}
         logits = model(**fresh, attention_mask=mask, **with_cache(kv), use_cache=True,
                        logits_to_keep=1).logits[:, -1]  # fmt: skip  # [b, V]
@@ -215,10 +219,12 @@ def decode_steps(
     return tokens[:, :generated], logprobs[:, :generated], None if drop_ended else mask
 
 
-def shared_prefill(model, ids: torch.Tensor, mask: torch.Tensor, n: int, into=None):
+def shared_prefill(
+    model, ids: torch.Tensor, mask: torch.Tensor, n: int, into=None, capacity: int | None = None
+):
     """The key/value cache of each prompt's first P-1 tokens, computed once and repeated n times.
     `into`: a `preallocated_cache` of the g * n rows, filled in place (the prefill runs on a g-row
-    one of the same length); None: a new growing cache.
+    one of the same length); None: a new growing cache (of that `capacity`: `growing_cache`).
 
     `ids`, `mask` [g, P]: one left-padded row per prompt. `generate` given this cache for the n*g
     expanded rows runs only their last prompt token and then decodes; the samples are those of a
@@ -226,7 +232,7 @@ def shared_prefill(model, ids: torch.Tensor, mask: torch.Tensor, n: int, into=No
     expands `num_return_sequences` before the prefill, so it would prefill every prompt n times.
     """
     if into is None:
-        cache = growing_cache(model.config)
+        cache = growing_cache(model.config, capacity)
     else:
         cache = preallocated_cache(model.config, into.layers[0].max_cache_len)
     head, head_mask = ids[:, :-1], mask[:, :-1]  # [g, P-1]

@@ -1,9 +1,9 @@
 """`rollout=hf`: sampling with the live policy module and its transformers key/value cache.
 
-It shares the policy's weights, so `sync` only points it at the module. On CPU and tiny models it
-is the fast engine (the tiny default's rollout: 10.6k tokens/s against vLLM-CPU's 6.2k; for SmolLM2
-vLLM-CPU is faster, 248 against 145 in bf16: `scripts/bench_engines.py`,
-docs/performance/generation.md).
+It shares the policy's weights, so `sync` only points it at the module. On the CPU it is the fast
+engine: the tiny default's rollout 21.4k tokens/s against vLLM-CPU's 7.6k, SmolLM2's 294 against
+263 in bf16, in one run of `scripts/bench_engines.py` (docs/performance/generation.md). SmolLM2's
+rollout was 153 before rows that ended left the batch and the cache was stored in bf16.
 
 The decoding loop itself, loorl's and not transformers' `generate`, is `loorl.rollout.decoding`;
 its preallocated caches are `loorl.rollout.kv_cache`.
