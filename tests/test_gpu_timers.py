@@ -130,3 +130,19 @@ def test_train_asks_the_allocator_only_when_training_on_cpu(monkeypatch, quick_c
         with pytest.raises(Stop):
             cli.train(quick_cfg(*overrides))
         assert taken == expected, overrides
+
+
+def test_trim_freed_memory_every_composes_and_sets_the_steps_after_which_memory_goes_back(quick_cfg):
+    """`trim_freed_memory_every` (default 5): after every 5th RL step the kept heap's free pages go
+    back to the OS (`TrimFreedMemory`); 0 never; a negative count is a one-line error."""
+    from loorl.errors import ConfigError
+    from loorl.training.callbacks import trims_after
+
+    assert check_config(quick_cfg()).run.trim_freed_memory_every == 5
+    assert check_config(quick_cfg("trim_freed_memory_every=0")).run.trim_freed_memory_every == 0
+    with pytest.raises(ConfigError) as err:
+        check_config(quick_cfg("trim_freed_memory_every=-1"))
+    assert "\n" not in str(err.value) and "trim_freed_memory_every" in str(err.value)
+    assert [step for step in range(12) if trims_after(step, 5)] == [4, 9]  # 0-based: after steps 5, 10
+    assert [step for step in range(4) if trims_after(step, 1)] == [0, 1, 2, 3]
+    assert not any(trims_after(step, 0) for step in range(12))

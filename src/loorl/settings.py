@@ -91,6 +91,7 @@ class RunSettings(Section):
     export_policy: bool = True
     # glibc keeps freed memory for reuse (loorl.util.allocator); auto: only when training on the CPU
     keep_freed_memory: Literal["auto", True, False] = "auto"
+    trim_freed_memory_every: NonNegativeInt = 5  # RL steps between handing kept memory back; 0: never
     # float32 matrix products on CUDA (torch.set_float32_matmul_precision); high/medium: tensor cores
     float32_matmul_precision: Literal["highest", "high", "medium"] = "highest"
 

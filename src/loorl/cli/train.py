@@ -19,7 +19,7 @@ from loorl.models.sources import model_label
 from loorl.parallel.distributed import shutdown
 from loorl.parallel.launch import configure_threads
 from loorl.rollout.sync import EngineSync
-from loorl.training.callbacks import HFExport, PhaseMemory, RunSummary, SampleLog
+from loorl.training.callbacks import HFExport, PhaseMemory, RunSummary, SampleLog, TrimFreedMemory
 from loorl.training.checkpoints import (
     AtomicCheckpointIO,
     EpochRow,
@@ -104,7 +104,9 @@ def train_job(cfg: DictConfig) -> dict[str, float]:
     configure_threads(lightning_devices=lightning_launched_processes(cfg))  # before anything computes
     reset_peak_memory()  # the summary's peak starts here, not at an earlier multirun job's peak
     accelerator = str(cfg.trainer.get("accelerator", "auto"))
-    if keeps_freed_memory(s.run.keep_freed_memory, accelerator=accelerator, cuda_available=cuda_available()):
+    keeps = keeps_freed_memory(s.run.keep_freed_memory, accelerator=accelerator,
+                               cuda_available=cuda_available())  # fmt: skip
+    if keeps:
         keep_freed_memory()
     output_dir = Path(cfg.output_dir)
     resume = resolve_resume(s.run.resume_from, output_dir, identity(s))  # checked, before loading
@@ -152,6 +154,8 @@ def train_job(cfg: DictConfig) -> dict[str, float]:
         )
     if s.run.export_policy:
         callbacks.append(HFExport(str(output_dir / "policy"), tokenizer))
+    if keeps and s.run.trim_freed_memory_every:
+        callbacks.append(TrimFreedMemory(s.run.trim_freed_memory_every))
     progress_bar = bool(cfg.trainer.enable_progress_bar)
     if progress_bar and not sys.stdout.isatty():  # CI, nohup: occasional lines instead of redraws
         callbacks.append(ProgressLines(s.rl.steps))

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from loorl.models.lora import is_lora, save_lora
 from loorl.parallel.fsdp import full_state_dict, is_sharded, unwrapped_class
+from loorl.util.allocator import give_back_freed_memory
 from loorl.util.peak_memory import peak_memory_gb, pop_phase_peaks_gb
 from loorl.util.profiling import PHASES
 
@@ -75,6 +76,24 @@ class PhaseMemory(L.Callback):
         peaks = pop_phase_peaks_gb()  # this rank's (rank 0's are logged)
         if peaks:
             pl_module.log_dict(peaks, on_step=False, on_epoch=True, reduce_fx="max", batch_size=1)
+
+
+class TrimFreedMemory(L.Callback):
+    """Every `every` RL steps, hands the heap's free pages back to the OS (`give_back_freed_memory`),
+    where `keep_freed_memory` keeps them: kept, they fragment as the step's tensors change size,
+    and a long run's peak climbs (docs/performance/memory.md)."""
+
+    def __init__(self, every: int):
+        self.every = every
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if trims_after(trainer.current_epoch, self.every):
+            give_back_freed_memory()
+
+
+def trims_after(step: int, every: int) -> bool:
+    """Whether `TrimFreedMemory` trims after RL step `step` (0-based): after every `every`-th step."""
+    return every > 0 and (step + 1) % every == 0
 
 
 class RunSummary(L.Callback):
