@@ -9,10 +9,13 @@ The decoding loop itself, loorl's and not transformers' `generate`, is `loorl.ro
 its preallocated caches are `loorl.rollout.kv_cache`.
 
 Its key/value cache (`rollout.hf_decode`): `static` preallocates the whole sequence (prompt and
-`max_new_tokens`) and writes each token in place; `dynamic` grows by concatenating a new copy of
-every layer at every token, which with freed memory kept in the process grew the heap by their sum
-(SmolLM2 bf16, 200 held-out rows x 32 tokens on 2 cores: peak 2.72 GB dynamic, 2.25 GB static,
-22.6 s against 19.5 s, the same tokens). Both let a prompt's n samples share one prefill.
+`max_new_tokens`) and writes each token in place, for every row to the end; `dynamic` writes into
+buffers of the call's rounded length too, and rows that ended leave it (`decoding.decode_steps`).
+Where a call keeps its cache for the next turn, `dynamic` concatenates a new copy of every layer at
+every token instead, which with freed memory kept in the process grew the heap by their sum
+(SmolLM2 bf16, 200 held-out rows x 32 tokens on 2 cores, measured when every call did: peak 2.72 GB
+dynamic, 2.25 GB static, 22.6 s against 19.5 s, the same tokens). Both let a prompt's n samples
+share one prefill.
 `compiled` adds a `torch.compile(mode="reduce-overhead")`
 graph for the one-token step, which on a GPU replays the step as a CUDA graph: eager decoding of a
 small model there is bound by the launch of each of its hundreds of kernels per token (SmolLM2 on an
