@@ -298,8 +298,11 @@ def test_a_cache_written_into_buffers_attends_as_a_concatenated_one(tiny, attent
                 if i in (1, 3):  # rows 0 and 2 of those left leave
                     stay = torch.tensor([r for r in range(len(step_ids)) if r not in (0, 2)])
                     cache.batch_select_indices(stay)
-                    step_ids, step_mask, step_positions = step_ids[stay], step_mask[stay], step_positions[stay]
+                    step_ids, step_mask = step_ids[stay], step_mask[stay]
+                    step_positions = step_positions[stay]
         runs.append(torch.cat(logits))
         buffers.append(len(seen))
     assert torch.equal(runs[1], runs[0])
-    assert buffers == [6, 1]  # a new cache tensor at every token, against one buffer
+    # one buffer, against a new cache tensor at every token (the allocator may put one of the
+    # six at an address freed before, so they are seen at 5 or 6 addresses)
+    assert buffers[1] == 1 and buffers[0] >= 5

@@ -126,7 +126,7 @@ def test_vllm_lora_training_run_keeps_the_sampler_gap_small(quick_config, tmp_pa
 
 def test_auto_picks_hf_on_cpu_and_says_why(quick_config, setup):
     name, reason = resolve_engine("auto")
-    assert name == "hf" and "CUDA" in reason
+    assert name == "hf" and "on the CPU" in reason and "faster" in reason  # the measured reason
     cfg, _, tok, module, _ = setup
     engine = build_engine(
         load_settings(quick_config()).rollout,
