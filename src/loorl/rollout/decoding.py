@@ -99,6 +99,7 @@ def decode(
     """
     b, prompt_length = ids.shape
     positions = (mask.cumsum(-1) - 1).clamp(min=0)  # [b, P] left padding does not shift them
+    drop_ended = drop_ended and cache == "dynamic" and not keep
     if cache == "static":
         # L: rounded up to a bucket where a compiled step's graph is reused across lengths, else exact
         bucket = CACHE_BUCKET if step is not one_token_logits else 1
@@ -114,7 +115,6 @@ def decode(
         logits = model(**fresh, attention_mask=full_mask, **with_cache(kv), use_cache=True,
                        logits_to_keep=1).logits[:, -1]  # fmt: skip  # [b, V]
     else:
-        drop_ended = drop_ended and not keep
         # rows leaving: buffers of a bucketed length, which the next call of a similar length reuses
         capacity = static_cache_length(prompt_length, max_new_tokens) if drop_ended else None
         if prefill_group > 1 and prompt_length > 1:
@@ -131,7 +131,7 @@ def decode(
         sampling=sampling, max_new_tokens=max_new_tokens, eos_token_ids=eos_token_ids,
         pad_token_id=pad_token_id, generator=generator, step=step, check_every=check_every,
         stop_sequences=stop_sequences, static_start=prompt_length if cache == "static" else None,
-        drop_ended=drop_ended and cache == "dynamic" and not keep,
+        drop_ended=drop_ended,
     )  # fmt: skip
     if keep:
         return tokens, logprobs, kv, mask

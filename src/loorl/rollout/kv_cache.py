@@ -131,10 +131,10 @@ def preallocated_cache(config, length: int):
 
     Under CPU autocast a Llama/Qwen2 layer's keys come out float32 (the rotary embedding is applied
     in float32) and its values bf16; `StaticLayer` allocates both in the keys' dtype and then
-    refuses the values. Preallocated, the cache is written in place: a growing (`DynamicCache`)
-    one concatenates a new copy of every layer at every token, and with freed memory kept in the
-    process (`keep_freed_memory`) the heap grew by their sum (SmolLM2 LoRA, 200 held-out rows:
-    +9 GB in one validation)."""
+    refuses the values. Preallocated, the cache is written in place: a plain growing
+    (`DynamicCache`) one concatenates a new copy of every layer at every token, and with freed
+    memory kept in the process (`keep_freed_memory`) the heap grew by their sum (SmolLM2 LoRA, 200
+    held-out rows: +9 GB in one validation); `growing_cache` with a capacity now avoids that too."""
     from transformers import StaticCache
     from transformers.cache_utils import StaticLayer
 
