@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 import warnings
 
 import pytest
@@ -18,6 +19,7 @@ from loorl.util.hardware import (
     cpu_capability,
     dtype_for_speedup,
     fast_compute_dtype,
+    fastest_interleaved,
     matmul_flops_per_s,
     matmul_seconds,
     set_float32_matmul_precision,
@@ -50,6 +52,38 @@ def test_the_choice_follows_the_measured_speed():
         assert fast_compute_dtype() == dtype_for_speedup(bf16_speedup())
     assert matmul_seconds(torch.float32, size=64, reps=2) > 0
     assert matmul_flops_per_s(torch.float32, size=64, reps=2) > 0
+
+
+def test_a_stall_over_one_products_calls_does_not_move_the_interleaved_minima():
+    """The probe's products take turns for at least `min_seconds`: a 160 ms stretch in which every call
+    runs 10x slower (another tenant on the cores), beginning at the second product's first timed
+    call, covers all of its 5 rounds; the first product's warm-up and first timed call escape it.
+    Stopped at 5 rounds the minima read 2 ms against 10 ms (the ratio 0.2x, the stall's); going on
+    until 0.4 s have passed, the calls after the stall give both their true minima back."""
+
+    def run(min_seconds: float) -> dict[str, float]:
+        stall = {"ends": None}
+        calls = {"a": 0, "b": 0}
+
+        def product(name: str, ms: float):
+            def call():
+                if stall["ends"] is None and name == "b" and calls["b"] == 1:  # b's first timed call
+                    stall["ends"] = time.perf_counter() + 0.16
+                slow = stall["ends"] is not None and time.perf_counter() < stall["ends"]
+                time.sleep(ms / 1000 * (10 if slow else 1))
+                calls[name] += 1
+
+            return call
+
+        return fastest_interleaved(
+            {"a": product("a", 2), "b": product("b", 1)}, reps=5, min_seconds=min_seconds
+        )
+
+    short = run(min_seconds=0.0)
+    assert short["a"] / short["b"] < 0.5  # the stall decided: b looks 5x slower than a
+    best = run(min_seconds=0.4)
+    assert best["a"] == pytest.approx(0.002, abs=0.001) and best["b"] == pytest.approx(0.001, abs=0.001)
+    assert best["a"] / best["b"] > 1.3  # the products' own ratio (2x), not the stall's
 
 
 def test_a_cpu_without_bf16_units_gets_float32():
