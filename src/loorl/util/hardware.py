@@ -28,26 +28,6 @@ def cpu_capability() -> str:
     return str(torch.backends.cpu.get_cpu_capability())
 
 
-def matmul_seconds(dtype: torch.dtype, *, size: int = 512, reps: int = 5) -> float:
-    """The fastest of `reps` timed products of two [size, size] CPU tensors in `dtype`, after one
-    warm-up product. The minimum, not the mean: other work on the machine only ever adds time."""
-    a = torch.randn(size, size).to(dtype)
-    b = torch.randn(size, size).to(dtype)
-    a @ b
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return max(best, 1e-9)
-
-
-def matmul_flops_per_s(dtype: torch.dtype, *, size: int = 2048, reps: int = 5) -> float:
-    """The CPU's matrix-product peak in `dtype`: FLOP/s of the fastest of `reps` [size, size] products
-    (the peak that scripts/profile_step.py and scripts/bench_engines.py measure against)."""
-    return 2 * size**3 / matmul_seconds(dtype, size=size, reps=reps)
-
-
 def fastest_interleaved(
     products: dict[str, Callable[[], object]], *, reps: int, min_seconds: float = 0.0
 ) -> dict[str, float]:
@@ -69,6 +49,19 @@ def fastest_interleaved(
             best[name] = min(best[name], time.perf_counter() - start)
         rounds += 1
     return {name: max(seconds, 1e-9) for name, seconds in best.items()}
+
+
+def matmul_seconds(dtype: torch.dtype, *, size: int = 512, reps: int = 5) -> float:
+    """The fastest of `reps` timed products of two [size, size] CPU tensors in `dtype`, after one
+    warm-up product. The minimum, not the mean: other work on the machine only ever adds time."""
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    return fastest_interleaved({"product": functools.partial(torch.matmul, a, b)}, reps=reps)["product"]
+
+
+def matmul_flops_per_s(dtype: torch.dtype, *, size: int = 2048, reps: int = 5) -> float:
+    """The CPU's matrix-product peak in `dtype`: FLOP/s of the fastest of `reps` [size, size] products
+    (the peak that scripts/profile_step.py and scripts/bench_engines.py measure against)."""
+    return 2 * size**3 / matmul_seconds(dtype, size=size, reps=reps)
 
 
 @functools.cache
