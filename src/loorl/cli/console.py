@@ -28,9 +28,7 @@ def launch(config_name: str, main) -> None:
 
     from loorl.config import CONF_DIR, check_group_choices
     from loorl.errors import ConfigError
-    from loorl.util.allocator import cap_onednn_primitive_cache
 
-    cap_onednn_primitive_cache()  # before the config's bf16 probe runs the first oneDNN product
     try:
         check_group_choices([a for a in sys.argv[1:] if not a.startswith("-")])
     except ConfigError as err:

@@ -24,6 +24,7 @@ import ctypes
 import ctypes.util
 import gc
 import logging
+import os
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,8 @@ ONEDNN_PRIMITIVE_CACHE = 16  # primitives oneDNN keeps compiled (its default: 10
 
 def cap_onednn_primitive_cache(capacity: int = ONEDNN_PRIMITIVE_CACHE) -> None:
     """Keep at most `capacity` compiled oneDNN primitives (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`; a value
-    the user set stays). Call before the process's first oneDNN product: the cache is sized then.
+    the user set stays). Importing loorl calls it: it must come before the process's first oneDNN
+    product, where the cache is sized.
 
     On a CPU with bf16 units, bf16 matrix products go through oneDNN, which compiles a primitive per
     shape and keeps up to 1,024 of them, about 0.25 MB each. Packed micro-batches and shrinking
@@ -97,6 +99,4 @@ def cap_onednn_primitive_cache(capacity: int = ONEDNN_PRIMITIVE_CACHE) -> None:
     4.13); with 0 (no cache) a step took twice as long. A decoding step's products (six shapes) and
     a micro-batch's fit in 16. Where bf16 products do not use oneDNN (an AVX2-only CPU, float32)
     it changes nothing."""
-    import os
-
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))
