@@ -88,8 +88,8 @@ def run(overrides: list[str], steps: int, out: Path) -> dict:
     return json.loads((out / "metrics.json").read_text())["history"]
 
 
-def report(result: dict, overrides: list[str], max_slope: float) -> str:
-    verdict = "flat" if result["slope_gb_per_100"] <= max_slope else "CLIMBS"
+def report(result: dict, overrides: list[str], max_slope: float, flat: bool) -> str:
+    verdict = "flat" if flat else "CLIMBS"
     maxima = " / ".join(f"{v:.2f}" for v in result["window_max_gb"])
     return "\n".join(
         [
@@ -120,12 +120,13 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--warmup {args.warmup} leaves no slope in --steps {args.steps}: lower --warmup")
     history = run(args.overrides, args.steps, args.out / "memory_slope_run")  # its summary.md stays there
     result = summarise(step_peaks(history), args.warmup, args.windows)
-    text = report(result, args.overrides, args.max_slope)
+    flat = result["slope_gb_per_100"] <= args.max_slope
+    text = report(result, args.overrides, args.max_slope, flat)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "memory_slope.md").write_text(text + "\n")
     (args.out / "memory_slope.json").write_text(json.dumps({"overrides": args.overrides, **result}, indent=1))
     print(text)
-    return 0 if result["slope_gb_per_100"] <= args.max_slope else 1
+    return 0 if flat else 1
 
 
 if __name__ == "__main__":

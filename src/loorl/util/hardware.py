@@ -51,11 +51,17 @@ def fastest_interleaved(
     return {name: max(seconds, 1e-9) for name, seconds in best.items()}
 
 
+def square_product(dtype: torch.dtype, size: int) -> Callable[[], torch.Tensor]:
+    """A product of two random [size, size] CPU tensors in `dtype`, to time."""
+    return functools.partial(
+        torch.matmul, torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    )
+
+
 def matmul_seconds(dtype: torch.dtype, *, size: int = 512, reps: int = 5) -> float:
     """The fastest of `reps` timed products of two [size, size] CPU tensors in `dtype`, after one
     warm-up product. The minimum, not the mean: other work on the machine only ever adds time."""
-    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
-    return fastest_interleaved({"product": functools.partial(torch.matmul, a, b)}, reps=reps)["product"]
+    return fastest_interleaved({"product": square_product(dtype, size)}, reps=reps)["product"]
 
 
 def matmul_flops_per_s(dtype: torch.dtype, *, size: int = 2048, reps: int = 5) -> float:
@@ -68,16 +74,9 @@ def matmul_flops_per_s(dtype: torch.dtype, *, size: int = 2048, reps: int = 5) -
 def bf16_speedup(*, size: int = 512, reps: int = 5, min_seconds: float = 0.05) -> float:
     """How many times faster a bf16 matrix product runs than a float32 one on this CPU (measured once
     a process, the two taking turns: 50 ms with bf16 units, about a second without them)."""
-    pairs = {
-        d: (torch.randn(size, size).to(d), torch.randn(size, size).to(d))
-        for d in (torch.float32, torch.bfloat16)
-    }
-    seconds = fastest_interleaved(
-        {str(d): functools.partial(torch.matmul, *ab) for d, ab in pairs.items()},
-        reps=reps,
-        min_seconds=min_seconds,
-    )
-    return seconds[str(torch.float32)] / seconds[str(torch.bfloat16)]
+    products = {"float32": square_product(torch.float32, size), "bf16": square_product(torch.bfloat16, size)}
+    seconds = fastest_interleaved(products, reps=reps, min_seconds=min_seconds)
+    return seconds["float32"] / seconds["bf16"]
 
 
 def dtype_for_speedup(speedup: float) -> str:
