@@ -37,7 +37,7 @@ from loorl.settings import (
 from loorl.training.strategies import FSDPStrategy
 
 GROUPS = ["estimator", "model", "task", "rollout", "strategy", "trainer", "logger", "experiment", "ablation",
-          "tools"]  # fmt: skip
+          "tools", "environment"]  # fmt: skip
 OPTIONS = [(g, p.stem) for g in GROUPS for p in sorted((CONF_DIR / g).glob("*.yaml"))]
 # These compose but are refused by check_config by design: the hub model needs the network
 # (tests/test_config_errors.py); gsm8k and math need data.path (tests/test_tasks.py checks them
@@ -47,8 +47,11 @@ HUB_MODELS = ("qwen05b", "qwen15b", "qwen7b", "llama8b")
 NOT_CHECKABLE = {("task", "gsm8k"), ("task", "math")}
 NOT_CHECKABLE |= {("model", name) for name in HUB_MODELS}
 NOT_CHECKABLE |= {("model", "smollm2_135m"), ("experiment", "smollm2_arithmetic")}
-NOT_CHECKABLE |= {("experiment", "smollm2_arithmetic_lora")}  # the same model
+NOT_CHECKABLE |= {("experiment", "smollm2_arithmetic_lora"), ("experiment", "smollm2_reasoning_gym")}  # the same model
 NOT_CHECKABLE |= {("experiment", "mix_gsm8k_math")}  # needs its sources' paths (tests/test_mixed.py)
+# the worked environment is imported from examples/environments (on PYTHONPATH) and needs tools on:
+# tests/test_environment.py checks them so
+NOT_CHECKABLE |= {("environment", "sum_calculator"), ("experiment", "tiny_sum_calculator")}
 YAML_FILES = sorted(CONF_DIR.rglob("*.yaml"))
 
 

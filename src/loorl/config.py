@@ -19,6 +19,7 @@ from loorl.parallel.distributed import check_world_divides
 from loorl.rollout.engine import EngineContext
 from loorl.rollout.factory import engine_class
 from loorl.settings import (
+    EnvironmentSettings,
     EstimatorSettings,
     KLSettings,
     LossSettings,
@@ -82,6 +83,7 @@ class Settings:
     strategy: str = "auto"  # the training strategy's kind: auto | ddp | fsdp (`strategy_kind`)
     accelerator: str = "auto"  # trainer.accelerator: cpu | gpu | auto (`loorl.util.hardware.uses_cuda`)
     tools: ToolsSettings = ToolsSettings()  # multi-turn rollouts with tools; max_turns 0: none
+    environment: EnvironmentSettings = EnvironmentSettings()  # TRL's environment_factory contract
 
     @property
     def on_cuda(self) -> bool:
@@ -115,6 +117,7 @@ def load_settings(cfg: DictConfig) -> Settings:
         model=model,
         reward=RewardSettings.from_cfg(cfg.reward, "reward"),
         tools=ToolsSettings.from_cfg(cfg.get("tools"), "tools"),
+        environment=EnvironmentSettings.from_cfg(cfg.get("environment"), "environment"),
         task=OmegaConf.to_container(cfg.task, resolve=True),
         optimizer=OmegaConf.to_container(cfg.optimizer, resolve=True),
         strategy=strategy_kind(cfg) if "trainer" in cfg else "auto",
@@ -162,9 +165,18 @@ def check_config(cfg: DictConfig) -> Settings:
     context = {"model_dtype": s.model.dtype, "model": s.model, "model_path": pretrained_path(s.model)}
     context |= {"seed": s.run.seed, "share_prompt": s.rl.share_prompt, "parallel": s.strategy}
     engine.check(EngineContext(s.rollout, **context))
+    if s.environment.target and not s.tools.max_turns:
+        raise ConfigError(
+            f"environment._target_={s.environment.target} needs tools.max_turns > 0: its methods are tools "
+            "the policy calls between turns; set tools.max_turns (e.g. 2)"
+        )
     if s.tools.max_turns:
         check_tools(s, engine)
-    sampler_placement_of(s)  # rollout.devices names cores this process has, and leaves the trainer some
+    if sampler_placement_of(s) is not None and s.environment.target:  # rollout.devices: cores it has
+        raise ConfigError(
+            "environment._target_ runs in the training process: it cannot yet run in a one-step-off "
+            "sampler process (rollout.devices); leave rollout.devices unset"
+        )
     return s
 
 
@@ -184,7 +196,7 @@ def checked_toolset(s: Settings, engine: type, tokenizer=None):
             "budget covers its turns and the results between them; set tools.max_tokens="
             f"{turn * (s.tools.max_turns + 1)}"
         )
-    toolset = build_toolset(s.tools)
+    toolset = build_toolset(s.tools, s.environment.target)
     if tokenizer is not None:
         check_tags(tokenizer, toolset.tools, result_format=s.tools.result_format)
     return toolset

@@ -484,6 +484,14 @@ class ToolsSettings(Section):
             )
 
 
+@dataclass(frozen=True, config=SCHEMA)
+class EnvironmentSettings(Section):
+    """`environment`: a class written to TRL's `environment_factory` contract, its public methods the
+    policy's tools (`loorl.tools.environment`; its calls run under `tools.*`'s limits)."""
+
+    target: str | None = None  # `_target_` in YAML: the class (mypkg.MyEnv); None: no environment
+
+
 def completion_budget(max_new_tokens: int, max_turns: int, max_tokens: int | None) -> int:
     """A sample's completion limit: one turn's `rollout.max_new_tokens` without tools; with tools,
     `tools.max_tokens` over all its turns and the results between them, or one turn's limit per

@@ -55,6 +55,9 @@ class Completion:
     policy_mask: list[int] | None = None
     tool_calls: tuple = ()  # `loorl.tools.ToolCall`s in the order they were made
     turns: int = 1  # generation turns
+    # an environment's `get_reward()` (`environment._target_`): NaN where it failed (unscorable); None:
+    # the reward functions grade the sample
+    reward: float | None = None
 
     @property
     def inserted(self) -> int:

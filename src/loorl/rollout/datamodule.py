@@ -42,7 +42,14 @@ from loorl.rewards.shaping import overlong_penalty
 from loorl.rollout.batch import assemble, concatenate
 from loorl.rollout.dynamic_sampling import Choice, SetAside, choose_groups, groups_with_signal
 from loorl.rollout.engine import RolloutEngine
-from loorl.rollout.multi_turn import tool_calls_of, tool_counts, tool_stats, used_a_tool
+from loorl.rollout.multi_turn import (
+    environment_rewards,
+    row_of,
+    tool_calls_of,
+    tool_counts,
+    tool_stats,
+    used_a_tool,
+)
 from loorl.settings import OverlongSettings, RLSettings, RolloutSettings
 from loorl.tasks.base import Task
 from loorl.types import Completion, Prompt, Rollout, RolloutBatch
@@ -332,9 +339,8 @@ class RolloutDataModule(L.LightningDataModule):
         prompts = self.prompts_for_step(step)
         prompt_ids = self.encode_prompts(prompts)
         with engine_precision(self.engine, self.trainer):
-            self.engine.submit(
-                prompt_ids, n=self.rl.samples_per_prompt, seed=self.sampler_seed("rollout", step)
-            )
+            seed = self.sampler_seed("rollout", step)
+            self.engine.submit(prompt_ids, n=self.rl.samples_per_prompt, seed=seed, **self.rows(prompts))
         return Submitted(step, prompts, prompt_ids, policy_version)
 
     def _receive(self, submitted: Submitted) -> Rollout:
@@ -388,7 +394,7 @@ class RolloutDataModule(L.LightningDataModule):
         prompt_ids = self.encode_prompts(prompts)
         clock = PhaseClock()
         with clock.phase("gen"):
-            groups = self.generate(prompt_ids, n=self.rl.samples_per_prompt, seed=seed)
+            groups = self.generate(prompt_ids, n=self.rl.samples_per_prompt, seed=seed, **self.rows(prompts))
         return self.grade(prompts, prompt_ids, groups, gen_seconds=clock.seconds["gen"], step=step)
 
     def grade(self, prompts: list[Prompt], prompt_ids: list[list[int]], groups: list[list[Completion]], *,
@@ -399,6 +405,7 @@ class RolloutDataModule(L.LightningDataModule):
             self.engine.sleep()
         with clock.phase("grade"):
             graded = self.rewards(prompts, self.detokenize(groups), tool_calls_of(groups))  # [B, K]
+            graded = environment_rewards(graded, groups)  # [B, K] an environment's get_reward()
         rewards = graded.rewards  # [B, K]
         finished = torch.tensor([[c.finished for c in g] for g in groups])  # [B, K]
         if self.settings.truncated == "zero":
@@ -450,6 +457,11 @@ class RolloutDataModule(L.LightningDataModule):
         step = self.trainer.current_epoch
         return DataLoader([step], batch_size=None, collate_fn=self.collect, generator=_own_generator())
 
+    def rows(self, prompts: list[Prompt]) -> dict:
+        """`{"rows": ...}` for an engine that resets an environment per sample with its prompt's row
+        (`takes_rows`: `environment._target_`); {} for any other."""
+        return {"rows": [row_of(p) for p in prompts]} if getattr(self.engine, "takes_rows", False) else {}
+
     def generate(self, prompt_ids: list[list[int]], **kwargs) -> list[list[Completion]]:
         """The engine's `generate`, inside the trainer's precision context (bf16-mixed: autocast) only
         for an engine that asks for it (`generates_in_trainer_precision`: the HF engine, which samples
@@ -473,9 +485,10 @@ class RolloutDataModule(L.LightningDataModule):
         the unbiased pass@k and maj@k [n] of `eval_samples` (n >= k) sampled completions each.
         The validation loop and `src/eval.py` both run this."""
         ids = self.encode_prompts(prompts)
-        completions = self.generate(ids, n=1, greedy=True)  # [n][1]
+        completions = self.generate(ids, n=1, greedy=True, **self.rows(prompts))  # [n][1]
         greedy = self.detokenize(completions)  # [n][1]
         graded = self.rewards(prompts, greedy, tool_calls_of(completions))  # [n, 1]
+        graded = environment_rewards(graded, completions)  # [n, 1]
         results = {
             "prompts": [p.text for p in prompts],
             "completions": [g[0] for g in greedy],
@@ -491,7 +504,8 @@ class RolloutDataModule(L.LightningDataModule):
         if self.pass_k > 0:
             step = self.trainer.global_step if self.trainer is not None else 0
             seed = self.sampler_seed("validation", step, prompts[0].text)  # this batch's own stream
-            sampled = self.detokenize(self.generate(ids, n=self.eval_samples, seed=seed))  # [n][N]
+            sampled = self.generate(ids, n=self.eval_samples, seed=seed, **self.rows(prompts))
+            sampled = self.detokenize(sampled)  # [n][N]
             correct = correctness(self.task, prompts, sampled)  # [n, N] NaN: unscorable
             scorable = ~correct.isnan()  # [n, N]
             results["pass_k"] = pass_at_k(

@@ -172,9 +172,10 @@ class RolloutEngine(ABC):
     # engine in a process of its own (`loorl.rollout.sampler_process.ProcessEngine`) returns at once
     # and generates while the trainer trains. One request at a time: every `submit` is `receive`d
     # before the next.
-    def submit(self, prompt_ids: list[list[int]], *, n: int, seed: int | None = None) -> None:
+    def submit(self, prompt_ids: list[list[int]], *, n: int, seed: int | None = None, **kwargs) -> None:
+        """`kwargs`: what this engine's `generate` takes besides (`rows`, for an environment's)."""
         start = time.perf_counter()
-        self._submitted = (self.generate(prompt_ids, n=n, seed=seed), time.perf_counter() - start)
+        self._submitted = (self.generate(prompt_ids, n=n, seed=seed, **kwargs), time.perf_counter() - start)
 
     def receive(self) -> tuple[list[list[Completion]], float]:
         done, self._submitted = self._submitted, None

@@ -28,6 +28,7 @@ engine without sequence stops with one line.
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -35,11 +36,13 @@ import numpy as np
 import torch
 
 from loorl.errors import ConfigError
+from loorl.rewards import Graded
 from loorl.rollout.engine import PolicyWeights, RolloutEngine
 from loorl.rollout.kept_cache import KeptRow
 from loorl.tools.base import ToolCall
+from loorl.tools.environment import Session
 from loorl.tools.toolset import BoundTool, ToolSet
-from loorl.types import Completion
+from loorl.types import Completion, Prompt
 
 
 @dataclass
@@ -57,10 +60,12 @@ class Transcript:
     waiting: bool = False  # a result was appended: the next turn continues from it
     last_turn: list[int] = field(default_factory=list)  # the ids the last turn sampled
     kept: KeptRow | None = None  # the engine's cache after the last turn (`tools.keep_cache`)
+    session: Session | None = None  # its own environment instance (`environment._target_`)
 
     def completion(self) -> Completion:
+        reward = None if self.session is None else self.session.reward()
         return Completion(self.ids, self.logprobs, self.finished, policy_mask=self.policy,
-                          tool_calls=tuple(self.calls), turns=self.turns)  # fmt: skip
+                          tool_calls=tuple(self.calls), turns=self.turns, reward=reward)  # fmt: skip
 
 
 def turn_seed(seed: int | None, turn: int, part: int) -> int | None:
@@ -101,6 +106,10 @@ class ToolEngine(RolloutEngine):
         self.generates_in_trainer_precision = inner.generates_in_trainer_precision
         self.stop_tags = toolset.stop_ids(tokenizer)  # (tool, closing-tag ids) pairs
         self.stops = [ids for _, ids in self.stop_tags]  # what the engine stops a turn on
+        # an environment (`environment._target_`): `generate` takes the prompts' rows, to reset an
+        # instance of it per sample with
+        self.environment = next((t for t in toolset.tools if t.environment is not None), None)
+        self.takes_rows = self.environment is not None
 
     # the wrapped engine's life cycle
     def sync(self, weights: PolicyWeights, version: int | None = None, *, force: bool = False) -> None:
@@ -116,19 +125,27 @@ class ToolEngine(RolloutEngine):
         self.inner.close()
 
     def generate(
-        self, prompt_ids: list[list[int]], *, n: int, greedy: bool = False, seed: int | None = None
-    ) -> list[list[Completion]]:
+        self, prompt_ids: list[list[int]], *, n: int, greedy: bool = False, seed: int | None = None,
+        rows: list[dict] | None = None,
+    ) -> list[list[Completion]]:  # fmt: skip
+        """`rows`: each prompt's fields, for an environment's `reset(**row)` (`takes_rows`)."""
         samples = [Transcript(list(p)) for p in prompt_ids for _ in range(n)]  # prompt-major
         per_turn = self.sampling.max_new_tokens
         first = dict(
             n=n, greedy=greedy, seed=seed, stop=self.stops, max_new_tokens=min(per_turn, self.max_tokens)
         )
-        if self.keep_cache:
-            groups, kept = self.inner.generate_keeping(prompt_ids, **first)
+        if self.environment is not None and self._start_sessions(samples, rows, n):
+            # some reset gave text: each sample's first turn follows its own inserted text
+            room = max(self.max_tokens - len(s.ids) for s in samples)
+            self._continue(samples, greedy=greedy, seed=seed, stop=self.stops,
+                           max_new_tokens=min(per_turn, room))  # fmt: skip
         else:
-            groups, kept = self.inner.generate(prompt_ids, **first), [None] * len(samples)
-        for sample, done, handle in zip(samples, [c for group in groups for c in group], kept):
-            self._take(sample, done, handle)
+            if self.keep_cache:
+                groups, kept = self.inner.generate_keeping(prompt_ids, **first)
+            else:
+                groups, kept = self.inner.generate(prompt_ids, **first), [None] * len(samples)
+            for sample, done, handle in zip(samples, [c for group in groups for c in group], kept):
+                self._take(sample, done, handle)
         turn = 1
         while calling := [s for s in samples if s.calling is not None]:
             self._run_calls(calling)
@@ -146,6 +163,23 @@ class ToolEngine(RolloutEngine):
             if (unclosed := self.toolset.unclosed(self._text(sample.last_turn))) is not None:
                 sample.calls.append(unclosed)
         return [[s.completion() for s in samples[g * n : (g + 1) * n]] for g in range(len(prompt_ids))]
+
+    def _start_sessions(self, samples: list[Transcript], rows: list[dict] | None, n: int) -> bool:
+        """A new instance of the environment per sample, reset with its prompt's row (at most `workers`
+        at a time); a text that `reset` returns is inserted as the sample's first ids, as a tool result
+        is (masked). Whether any sample got such text."""
+        if rows is None or len(rows) * n != len(samples):
+            raise ValueError("an environment's rollout needs each prompt's row (generate(..., rows=...))")
+        with ThreadPoolExecutor(max_workers=self.workers) as pool:
+            sessions = list(pool.map(self.environment.fn, [row for row in rows for _ in range(n)]))
+        inserted = False
+        for sample, session in zip(samples, sessions):
+            sample.session = session
+            if session.observation is not None:
+                ids = self.toolset.insert_ids(session.observation, self.tokenizer)[: self.max_tokens - 1]
+                sample.ids, sample.logprobs, sample.policy = list(ids), [0.0] * len(ids), [0] * len(ids)
+                inserted = True
+        return inserted
 
     def _continue(self, rows: list[Transcript], **settings) -> None:
         """One more turn of each of `rows`, from exactly its ids so far (from the kept cache, where
@@ -183,14 +217,17 @@ class ToolEngine(RolloutEngine):
         sample.waiting = False
         sample.kept = kept if sample.calling is not None else None  # freed with the sample's last turn
 
+    def _call(self, sample: Transcript, text: str) -> ToolCall:
+        """The call that ended the sample's last turn; an environment's runs on the sample's instance."""
+        session = sample.session if sample.calling.environment is not None else None
+        return self.toolset.call_in_turn(sample.calling, text, session)
+
     def _run_calls(self, samples: list[Transcript]) -> None:
         """Run each sample's call (at most `workers` at a time) and append its result ids, or end the
         sample when they do not fit in its budget with one more token."""
         texts = [self._text(s.last_turn) for s in samples]
         with ThreadPoolExecutor(max_workers=self.workers) as pool:
-            calls = list(
-                pool.map(lambda st: self.toolset.call_in_turn(st[0].calling, st[1]), zip(samples, texts))
-            )
+            calls = list(pool.map(self._call, samples, texts))
         for sample, call in zip(samples, calls):
             sample.calls.append(call)
             sample.calling = None
@@ -259,3 +296,22 @@ def tool_calls_of(groups: list[list[Completion]]) -> list[list[tuple[ToolCall, .
     if not any(c.policy_mask is not None for g in groups for c in g):
         return None
     return [[c.tool_calls for c in g] for g in groups]
+
+
+def environment_rewards(graded: Graded, groups: list[list[Completion]]) -> Graded:
+    """`graded` with an environment's `get_reward()` as the reward of each sample that carries one
+    (`Completion.reward`; NaN where it failed: unscorable, counted), the task's correctness kept for
+    accuracy; `graded` itself where no sample does (no environment, or one without `get_reward`)."""
+    owned = [[c.reward for c in g] for g in groups]  # [B][K]
+    if all(r is None for row in owned for r in row):
+        return graded
+    has = torch.tensor([[r is not None for r in row] for row in owned])  # [B, K]
+    env = torch.tensor([[math.nan if r is None else r for r in row] for row in owned])  # [B, K]
+    rewards = torch.where(has, env, graded.rewards)  # [B, K]
+    return Graded(rewards, graded.correct, int(rewards.isnan().sum()), {"environment": rewards})
+
+
+def row_of(prompt: Prompt) -> dict:
+    """A prompt's fields as an environment's `reset(**row)` takes them: its columns (`meta`), the
+    prompt's text as `prompt` and the reference answer as `answer`."""
+    return {**prompt.meta, "prompt": prompt.text, "answer": prompt.answer}

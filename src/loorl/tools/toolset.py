@@ -38,6 +38,7 @@ class BoundTool:
     fn: Callable[[str], object]
     start: str
     end: str
+    environment: object | None = None  # an `Environment`: each sample's own instance runs the call
 
 
 class ToolSet:
@@ -84,11 +85,12 @@ class ToolSet:
                 return tool
         return None
 
-    def call_in_turn(self, tool: BoundTool, turn_text: str) -> ToolCall:
+    def call_in_turn(self, tool: BoundTool, turn_text: str, session=None) -> ToolCall:
         """Run the call that `tool`'s closing tag ended: the text between the turn's first opening tag
         and its last closing tag (what a token that ends with the tag holds after it is not the call's).
         A turn without an opening tag, or with a second opening tag (of any tool) inside the call, is a
-        call error; the tool does not run."""
+        call error; the tool does not run. `session`: the sample's environment instance
+        (`loorl.tools.environment.Session`), which runs the call in place of `tool.fn`."""
         end = turn_text.rfind(tool.end)
         body = turn_text[:end] if end >= 0 else turn_text
         at = body.find(tool.start)
@@ -98,6 +100,8 @@ class ToolSet:
         text = body[at + len(tool.start) :]
         if any(t.start in text for t in self.tools):
             return ToolCall(tool.name, text, "error: a tool call inside a tool call", "nested")
+        if session is not None:
+            return session.call(text)
         return run_call(
             tool.fn, text, name=tool.name, timeout_s=self.timeout_s, max_chars=self.max_result_chars
         )
@@ -116,9 +120,13 @@ class ToolSet:
 
     def result_ids(self, call: ToolCall, tokenizer) -> list[int]:
         """The result as the tokens appended to the transcript, tokenised once."""
+        return self.insert_ids(call.result, tokenizer)
+
+    def insert_ids(self, text: str, tokenizer) -> list[int]:
+        """`text` as the tokens of an inserted result (a tool's result, an environment's `reset` text)."""
         if self.template_ids is not None:
-            return self.template_ids(call.result)
-        return tokenizer.encode(self.result_text(call), add_special_tokens=False)
+            return self.template_ids(text)
+        return tokenizer.encode(self.result_format.replace("{result}", text), add_special_tokens=False)
 
 
 def tag_variants(tokenizer, tag: str) -> list[list[int]]:
@@ -164,10 +172,19 @@ def check_tags(tokenizer, tools: list[BoundTool], *, result_format: str) -> None
         seen[tool.name] = mine
 
 
-def build_toolset(settings: ToolsSettings) -> ToolSet:
+def build_toolset(settings: ToolsSettings, environment: str | None = None) -> ToolSet:
     """The tools of `tools.available`: each `_target_` imported (a class is built with the entry's
-    other keys; a function takes them as keyword arguments after the call's text), with its tags."""
+    other keys; a function takes them as keyword arguments after the call's text), with its tags;
+    `environment`: an environment class (`environment._target_`), whose methods the policy calls
+    as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (`loorl.tools.environment`)."""
     tools = []
+    if environment:
+        from loorl.tools.environment import CALL_END, CALL_START, Environment
+
+        env = Environment.of(
+            environment, timeout_s=settings.timeout_s, max_result_chars=settings.max_result_chars
+        )
+        tools.append(BoundTool(env.name, env.session, CALL_START, CALL_END, environment=env))
     for name, spec in settings.available.items():
         key = f"tools.available.{name}"
         spec = dict(spec or {})
