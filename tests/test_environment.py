@@ -184,6 +184,7 @@ SCHEMAS = Environment(Hostile, timeout_s=1, max_result_chars=40).schemas
         ('{"name": "add", "arguments": {"a": true}}', "argument a must be integer, not bool"),
         ("[" * 100_000, "not JSON"),
     ],
+    ids=lambda value: value[:40] if len(value) > 40 else value,
 )
 def test_a_malformed_or_hostile_call_is_refused_before_any_call(text, why):
     with pytest.raises(Exception) as err:
