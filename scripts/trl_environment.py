@@ -10,7 +10,8 @@ template from TRL (`trl/chat_templates/qwen2_5.jinja`, tool calling included) an
 schema (`add_response_schema`). A random policy never writes a tool call, so it is first taught the
 call's shape by a short supervised pass (`--sft-steps`): `<tool_call>{"name": "calculate",
 "arguments": {"expression": ...}}</tool_call>`. Then GRPO runs `--steps` steps with the environment
-as its only reward source (`get_reward`), and the script writes `summary.json` under `--out`: TRL's
+with the environment's tools (and its `get_reward`, if it has one, beside `answer_reward`: the last
+message ends with the row's answer), and the script writes `summary.json` under `--out`: TRL's
 logged rows (`reward`, `tools/call_frequency`, `tools/failure_frequency`, ...).
 """
 
@@ -87,6 +88,15 @@ def sft(model, tok, rows: list[dict], steps: int) -> float:
     return float(loss)
 
 
+def answer_reward(completions, answer, **kwargs) -> list[float]:
+    """1.0 where the completion's last message ends with the row's answer (TRL's reward signature)."""
+    out = []
+    for completion, expected in zip(completions, answer):
+        last = completion[-1].get("content") if isinstance(completion, list) else completion
+        out.append(float(str(last or "").strip().endswith(str(expected))))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("file", type=Path)
@@ -119,7 +129,7 @@ def main() -> None:
                       logging_steps=1, save_strategy="no", bf16=False, temperature=1.0,
                       max_tool_calling_iterations=2)  # fmt: skip
     trainer = GRPOTrainer(model=model, processing_class=tok, args=grpo, train_dataset=data,
-                          environment_factory=env_class)  # fmt: skip
+                          reward_funcs=[answer_reward], environment_factory=env_class)  # fmt: skip
     trainer.train()
     rows = [r for r in trainer.state.log_history if "loss" in r or "reward" in r]
     summary = {"trl": trl.__version__, "sft_loss": sft_loss, "rows": rows}  # rows: tools/call_frequency...

@@ -335,12 +335,12 @@ def test_the_worked_example_keeps_the_contract():
     finally:
         sys.path.remove(str(EXAMPLES))
     env = Environment(SumCalculatorEnv, timeout_s=1, max_result_chars=40)
-    assert set(env.schemas) == {"calculate"} and env.owns_reward
+    assert set(env.schemas) == {"calculate"} and not env.owns_reward  # the task grades the answer
     session = env.session({"prompt": "1+2+3+4=", "answer": "10", "expression": "1+2+3+4"})
     assert session.call('{"name": "calculate", "arguments": {"expression": "1+2+3+4"}}').result == "10"
-    assert session.reward() == 1.0
+    assert session.reward() is None
     bad = session.call('{"name": "calculate", "arguments": {"expression": "__import__(\'os\')"}}')
-    assert isinstance(bad, ToolCall) and bad.status == "error" and session.reward() == 1.0
+    assert isinstance(bad, ToolCall) and bad.status == "error" and bad.result.startswith("error: ValueError")
 
 
 # ---- slow: the worked example in TRL, and a kill -9 resume ----------------------------------------
@@ -352,7 +352,7 @@ TRL_PYTHON = LOORL_CACHE / "trl-venv" / "bin" / "python"
 @pytest.mark.skipif(not TRL_PYTHON.exists(), reason="TRL's venv is absent (scripts/bench_vs_trl.py makes it)")
 def test_the_worked_environment_runs_unchanged_in_trls_grpo_trainer(tmp_path):
     """examples/environments/sum_calculator.py, as it is, in TRL's GRPOTrainer(environment_factory=...):
-    two GRPO steps, its get_reward the only reward source, its tool called (scripts/trl_environment.py)."""
+    two GRPO steps with its tool called (scripts/trl_environment.py)."""
     cmd = [str(TRL_PYTHON), str(ROOT / "scripts" / "trl_environment.py"), str(EXAMPLES / "sum_calculator.py"),
            "SumCalculatorEnv", "--out", str(tmp_path), "--steps", "2"]  # fmt: skip
     env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1", TOKENIZERS_PARALLELISM="false")

@@ -8,10 +8,11 @@ calculator; the policy calls it as
 `<tool_call>{"name": "calculate", "arguments": {"expression": "123+456+789+101"}}</tool_call>`,
 reads `<tool_response>1469</tool_response>` and writes the answer.
 
-`get_reward` scores a finished sample from what the environment saw: 1.0 when the policy's last
-calculation gave the row's answer (it asked for the prompt's sum, copied exactly), else 0.0. The
-environment never sees the text written after the result; loorl's task verifier grades that for
-accuracy (`rollout/accuracy`, `val/accuracy`).
+It has no `get_reward`: the environment never sees the answer the policy writes after the result,
+so the reward is the task's (loorl: `task=long_sums`' verifier on the text after the last result;
+TRL: a reward function). A `get_reward` of "the last calculation gave the row's answer" was tried
+first and was gamed: the policy kept calling the tool and stopped writing the answer
+(docs/how-to/environments.md).
 """
 
 from __future__ import annotations
@@ -58,7 +59,3 @@ class SumCalculatorEnv:
         value = _value(ast.parse(expression.strip(), mode="eval").body)
         self.results.append(value)
         return str(value)
-
-    def get_reward(self) -> float:
-        """1.0 when the last calculation gave the row's answer (the right sum was asked for), else 0.0."""
-        return float(bool(self.results) and self.results[-1] == self.answer)
