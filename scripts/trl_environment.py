@@ -62,8 +62,9 @@ def sums(n: int, seed: int) -> list[dict]:
     return rows
 
 
-def sft(model, tok, rows: list[dict], steps: int) -> float:
-    """Teach the call's shape: the chat prompt, then the call and the end of turn (loss on those only)."""
+def sft(model, tok, rows: list[dict], steps: int, tools: list) -> float:
+    """Teach the call's shape: the chat prompt as TRL renders it (the tools' block in its system
+    prompt), then the call and the end of turn (loss on those only)."""
     import torch
 
     optim = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -72,7 +73,8 @@ def sft(model, tok, rows: list[dict], steps: int) -> float:
         batch = rows[(step * 8) % len(rows) :][:8]
         ids, labels = [], []
         for row in batch:
-            prompt = tok.apply_chat_template(row["prompt"], tokenize=False, add_generation_prompt=True)
+            prompt = tok.apply_chat_template(row["prompt"], tools=tools, tokenize=False,
+                                             add_generation_prompt=True)  # fmt: skip
             target = ('<tool_call>\n{"name": "calculate", "arguments": {"expression": "'
                       f'{row["expression"]}"}}}}\n</tool_call><|im_end|>')  # fmt: skip
             p, t = tok.encode(prompt), tok.encode(target)
@@ -117,10 +119,13 @@ def main() -> None:
     tok = tokenizer()
     config = Qwen2Config(vocab_size=len(tok), hidden_size=128, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=64, tie_word_embeddings=True,
-                         max_position_embeddings=512, pad_token_id=tok.pad_token_id,
+                         max_position_embeddings=2048, pad_token_id=tok.pad_token_id,
                          eos_token_id=tok.eos_token_id, bos_token_id=None)  # fmt: skip
     model = Qwen2ForCausalLM(config)
-    sft_loss = sft(model, tok, sums(256, seed=1), args.sft_steps)
+    probe = env_class()  # its tools as TRL lists them: public methods, not reset or get_reward
+    tools = [getattr(probe, n) for n in sorted(vars(env_class)) if callable(getattr(env_class, n))
+             and not n.startswith("_") and n not in ("reset", "get_reward")]  # fmt: skip
+    sft_loss = sft(model, tok, sums(256, seed=1), args.sft_steps, tools)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.generation_config.pad_token_id = tok.pad_token_id
     data = Dataset.from_list(sums(16, seed=2))
