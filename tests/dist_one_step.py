@@ -27,7 +27,7 @@ from loorl.parallel.distributed import rank_and_world, rank_block, shutdown
 from loorl.parallel.fsdp import full_state_dict, is_sharded
 from loorl.rewards import Graded
 from loorl.rollout.batch import assemble
-from loorl.rollout.datamodule import gather_graded, rollout_stats
+from loorl.rollout.step_stats import gather_graded, rollout_stats
 from loorl.types import Completion, Rollout
 
 GROUPS, K = 8, 4

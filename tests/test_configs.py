@@ -47,7 +47,10 @@ HUB_MODELS = ("qwen05b", "qwen15b", "qwen7b", "llama8b")
 NOT_CHECKABLE = {("task", "gsm8k"), ("task", "math")}
 NOT_CHECKABLE |= {("model", name) for name in HUB_MODELS}
 NOT_CHECKABLE |= {("model", "smollm2_135m"), ("experiment", "smollm2_arithmetic")}
-NOT_CHECKABLE |= {("experiment", "smollm2_arithmetic_lora"), ("experiment", "smollm2_reasoning_gym")}  # the same model
+NOT_CHECKABLE |= {
+    ("experiment", "smollm2_arithmetic_lora"),
+    ("experiment", "smollm2_reasoning_gym"),
+}  # the same model
 NOT_CHECKABLE |= {("experiment", "mix_gsm8k_math")}  # needs its sources' paths (tests/test_mixed.py)
 # the worked environment is imported from examples/environments (on PYTHONPATH) and needs tools on:
 # tests/test_environment.py checks them so

@@ -53,7 +53,7 @@ def build_char_tokenizer():
 
 # task settings that change neither the prompts nor the warm-start data: tasks that differ only in
 # them share one tiny model (task=arithmetic_offset starts from task=arithmetic's)
-REWARD_ONLY_TASK_KEYS = ("name", "reward_offset", "answer_after", "require_tool")
+REWARD_ONLY_TASK_KEYS = ("name", "reward_offset", "answer_after", "require_tool", "curriculum", "scoring")
 
 
 def _typed_tiny(tiny) -> TinyModelSettings:

@@ -25,19 +25,16 @@ from torch.utils.data import DataLoader
 
 from loorl.algo import estimators
 from loorl.algo.estimators import Estimator
-from loorl.algo.masked import masked_std
 from loorl.algo.sample_metrics import maj_at_k, pass_at_k
 from loorl.errors import ConfigError
 from loorl.parallel.distributed import (
     all_reduce,
     check_world_divides,
     gather_objects,
-    gather_rows,
-    is_distributed,
     rank_and_world,
     rank_block,
 )
-from loorl.rewards import TASK_VERIFIER, Graded, RewardComposer, WeightedReward, correctness
+from loorl.rewards import TASK_VERIFIER, RewardComposer, WeightedReward, correctness
 from loorl.rewards.shaping import overlong_penalty
 from loorl.rollout.batch import assemble, concatenate
 from loorl.rollout.dynamic_sampling import Choice, SetAside, choose_groups, groups_with_signal
@@ -50,48 +47,11 @@ from loorl.rollout.multi_turn import (
     tool_stats,
     used_a_tool,
 )
+from loorl.rollout.step_stats import gather_graded, rollout_stats, source_outcomes, source_stats
 from loorl.settings import OverlongSettings, RLSettings, RolloutSettings
 from loorl.tasks.base import Task
 from loorl.types import Completion, Prompt, Rollout, RolloutBatch
 from loorl.util.profiling import PhaseClock
-
-
-def rollout_stats(
-    graded: Graded, lengths: torch.Tensor, finished: torch.Tensor, gen_seconds: float
-) -> dict[str, float]:
-    """The environment's statistics of a rollout (the reward mean is logged by the learner).
-    `lengths` [B, K]: completion lengths; `finished` [B, K]: the completions that ended with EOS."""
-    rewards = graded.rewards  # [B, K]
-    scorable = ~rewards.isnan()  # [B, K]
-    group_std = masked_std(rewards, scorable, dim=-1)  # [B] 0 with < 2 scorable
-    parts = {f"rollout/reward_{name}": float(v.nanmean()) for name, v in graded.parts.items()}
-    return {
-        "rollout/reward_std": float(masked_std(rewards, scorable)),
-        "rollout/accuracy": float(graded.correct.nanmean()),  # of the scorable samples
-        "rollout/completion_len": float(lengths.mean()),
-        "rollout/gen_tokens": float(lengths.sum()),  # the step's generated tokens (all ranks)
-        "rollout/truncated_frac": float((~finished).float().mean()),
-        "rollout/zero_std_group_frac": float((group_std == 0).float().mean()),
-        "rollout/unscorable": float(graded.unscorable),
-        "perf/gen_tokens_per_s": float(lengths.sum()) / max(gen_seconds, 1e-9),
-        "perf/gen_seconds": gen_seconds,
-        **(parts if len(parts) > 1 else {}),
-    }
-
-
-def gather_graded(
-    graded: Graded, lengths: torch.Tensor, finished: torch.Tensor
-) -> tuple[Graded, torch.Tensor, torch.Tensor]:
-    """The whole step's grades, lengths and EOS flags (every rank's groups, in rank order), so that its
-    statistics are those of all B groups, not means of per-rank statistics. One all-gather."""
-    if not is_distributed():
-        return graded, lengths, finished
-    names = list(graded.parts)
-    columns = [graded.rewards, graded.correct.float(), lengths.float(), finished.float()]
-    every = gather_rows(torch.stack(columns + [graded.parts[n] for n in names], dim=-1))  # [W*B, K, F]
-    rewards, correct, lengths, finished = every[..., 0], every[..., 1], every[..., 2], every[..., 3].bool()
-    parts = {n: every[..., 4 + i] for i, n in enumerate(names)}
-    return Graded(rewards, correct, int(rewards.isnan().sum()), parts), lengths, finished
 
 
 def sampler_seed(run_seed: int, *phase: str | int, rank: int = 0) -> int:
@@ -359,18 +319,23 @@ class RolloutDataModule(L.LightningDataModule):
     # the rollout sampled ahead (one step off) is part of the run's state: a resume trains on it. As plain
     # dicts of tensors and numbers: Lightning loads checkpoints with torch.load(weights_only=True)
     def state_dict(self) -> dict:
-        if not self.settings.async_steps:
-            return {}
-        for step, entry in self.pending.items():  # a rollout still being sampled is waited for
-            if isinstance(entry, Submitted):
-                self.pending[step] = self._receive(entry)
-        mine = {step: rollout_to_dict(r) for step, r in self.pending.items()}
-        # every rank's (ddp: Lightning builds the checkpoint on every rank and rank 0 writes it)
-        return {"pending_by_rank": gather_objects(mine)}
+        state = {}
+        if self.settings.async_steps:
+            for step, entry in self.pending.items():  # a rollout still being sampled is waited for
+                if isinstance(entry, Submitted):
+                    self.pending[step] = self._receive(entry)
+            mine = {step: rollout_to_dict(r) for step, r in self.pending.items()}
+            # every rank's (ddp: Lightning builds the checkpoint on every rank and rank 0 writes it)
+            state["pending_by_rank"] = gather_objects(mine)
+        task = self.task.state_dict()  # after the rollout ahead was graded: its step is observed too
+        if task:  # (a curriculum's levels)
+            state["task"] = task
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        if not state:  # a synchronous run's
-            self.pending = {}
+        self.task.load_state_dict(state.get("task", {}))
+        if not self.settings.async_steps or not state.get("pending_by_rank", state.get("pending")):
+            self.pending = {}  # a synchronous run's
             return
         rank, world = rank_and_world()
         every = state.get("pending_by_rank", [state.get("pending", {})])
@@ -430,27 +395,15 @@ class RolloutDataModule(L.LightningDataModule):
         if self.overlong.buffer:  # the mean penalty over the step's samples (all ranks)
             total, count = all_reduce(torch.stack([penalty.sum(), torch.tensor(penalty.numel())])).tolist()
             stats["rollout/overlong_penalty"] = total / count
-        stats |= self.source_stats(prompts, everyone[0])
+        names = getattr(self.task, "source_names", None)
+        if names:  # task=mix, task=reasoning_gym: per source; a task that adapts (a curriculum) moves
+            stats |= source_stats(prompts, everyone[0], names)
+            stats |= self.task.observe(step, source_outcomes(prompts, everyone[0], names))
         flat = [c for g in groups for c in g]
         if any(c.policy_mask is not None for c in flat):  # multi-turn rollouts with tools (all ranks)
             stats |= tool_stats(all_reduce(tool_counts(flat)).tolist())
         stats["perf/grade_seconds"] = clock.seconds["grade"]
         return Rollout(step=step, batch=batch, stats=stats)
-
-    def source_stats(self, prompts: list[Prompt], graded: Graded) -> dict[str, float]:
-        """Per-source reward and accuracy of a mixed-source step (`task=mix`); {} for one source.
-        `graded`: the whole step's (every rank's prompts, in rank order)."""
-        names = getattr(self.task, "source_names", None)
-        if not names:
-            return {}
-        index = gather_rows(torch.tensor([names.index(p.meta["source"]) for p in prompts]))  # [W*B]
-        stats = {}
-        for i, name in enumerate(names):
-            rows = index == i  # [W*B]
-            if rows.any():
-                stats[f"rollout/reward/{name}"] = float(graded.rewards[rows].nanmean())
-                stats[f"rollout/accuracy/{name}"] = float(graded.correct[rows].nanmean())
-        return stats
 
     def train_dataloader(self) -> DataLoader:
         """One item: this epoch's rollout, collected when the loop fetches it."""

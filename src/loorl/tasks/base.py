@@ -82,6 +82,21 @@ class Task(ABC):
         number, a normalised expression). Code tasks say no (see `CodeTask`)."""
         return True
 
+    def observe(self, step: int, outcomes: dict[str, list[int]]) -> dict[str, float]:
+        """A training step's outcomes (1 correct, 0 not) per source (`source_names`), every rank's,
+        after each graded round of the step: a task that adapts to the policy (a curriculum) moves
+        here, on a step's first call only (dynamic sampling's further rounds, and a rollout sampled
+        ahead that a checkpoint grades early, call again). Returns statistics to log with the step.
+        Default: nothing."""
+        return {}
+
+    def state_dict(self) -> dict:
+        """What `observe` changed, as plain values, for the checkpoint (a resume restores it)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        return None
+
     def run_facts(self) -> dict[str, str]:
         """What a run with this task should state at its start and in its summary (name -> one line),
         such as the sandbox isolation that a code task's programs run under."""

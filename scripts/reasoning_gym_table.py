@@ -1,0 +1,76 @@
+"""The markdown table of reasoning-gym runs (`task=reasoning_gym`): per run and dataset, held-out
+greedy accuracy at the first and last validation, the curriculum level at the end (the mean row: the
+mean level), and the run's wall time and peak memory; then the mean over runs.
+
+    python scripts/reasoning_gym_table.py outputs/rg_seed0 outputs/rg_seed1 outputs/rg_seed2
+
+Each argument is a run folder (its metrics.json; curriculum levels from it, or from csv/metrics.csv
+for a run whose metrics.json predates them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+from pathlib import Path
+
+
+def load_run(run: Path) -> dict:
+    """{datasets: {name: {first, last, level}}, wall, peak, first, last} of one run folder."""
+    metrics = json.loads((run / "metrics.json").read_text())
+    history, summary = metrics["history"], metrics["summary"]
+    levels = {k: [v for _, v in xs] for k, xs in history.items() if k.startswith("curriculum/level/")}
+    table = run / "csv" / "metrics.csv"
+    if not levels and table.is_file():
+        with table.open(newline="") as f:
+            for row in csv.DictReader(f):
+                for key, value in row.items():
+                    if key.startswith("curriculum/level/") and value:
+                        levels.setdefault(key, []).append(float(value))
+    datasets = {}
+    for key, xs in history.items():
+        if key.startswith("val/accuracy/"):
+            name = key.removeprefix("val/accuracy/")
+            lv = levels.get(f"curriculum/level/{name}", [])
+            datasets[name] = {"first": xs[0][1], "last": xs[-1][1], "level": lv[-1] if lv else math.nan}
+    return {"datasets": datasets, "wall": summary["wall_seconds"], "peak": summary["peak_host_gb"],
+            "first": history["val/accuracy"][0][1], "last": history["val/accuracy"][-1][1]}  # fmt: skip
+
+
+def markdown(runs: dict[str, dict]) -> str:
+    names = list(next(iter(runs.values()))["datasets"])
+    head = ["run"] + [f"{n} first -> last (level)" for n in names] + ["all first -> last", "wall", "peak"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+
+    def cell(d: dict) -> str:
+        level = "" if math.isnan(d["level"]) else f" (L{d['level']:.0f})"
+        return f"{100 * d['first']:.0f}% -> {100 * d['last']:.0f}%{level}"
+
+    for label, r in runs.items():
+        cells = [cell(r["datasets"][n]) for n in names]
+        accuracy = f"{100 * r['first']:.1f}% -> {100 * r['last']:.1f}%"
+        lines.append(f"| {label} | " + " | ".join(cells) + f" | {accuracy} "
+                     f"| {r['wall'] / 60:.1f} min | {r['peak']:.2f} GB |")  # fmt: skip
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    rs = list(runs.values())
+    cells = [cell({k: mean([r["datasets"][n][k] for r in rs]) for k in ("first", "last", "level")})
+             for n in names]  # fmt: skip
+    lines.append("| mean | " + " | ".join(cells) + f" | {100 * mean([r['first'] for r in rs]):.1f}% -> "
+                 f"{100 * mean([r['last'] for r in rs]):.1f}% | {mean([r['wall'] for r in rs]) / 60:.1f} min "
+                 f"| {max(r['peak'] for r in rs):.2f} GB (max) |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("runs", nargs="+", type=Path, help="run folders")
+    args = parser.parse_args()
+    print(markdown({run.name: load_run(run) for run in args.runs}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""A rollout step's statistics: the whole step's (every rank's) grades gathered, their summaries,
+and the per-source ones of a task that mixes sources (`task=mix`, `task=reasoning_gym`)."""
+
+from __future__ import annotations
+
+import torch
+
+from loorl.algo.masked import masked_std
+from loorl.parallel.distributed import gather_rows, is_distributed
+from loorl.rewards import Graded
+from loorl.types import Prompt
+
+
+def rollout_stats(
+    graded: Graded, lengths: torch.Tensor, finished: torch.Tensor, gen_seconds: float
+) -> dict[str, float]:
+    """The environment's statistics of a rollout (the reward mean is logged by the learner).
+    `lengths` [B, K]: completion lengths; `finished` [B, K]: the completions that ended with EOS."""
+    rewards = graded.rewards  # [B, K]
+    scorable = ~rewards.isnan()  # [B, K]
+    group_std = masked_std(rewards, scorable, dim=-1)  # [B] 0 with < 2 scorable
+    parts = {f"rollout/reward_{name}": float(v.nanmean()) for name, v in graded.parts.items()}
+    return {
+        "rollout/reward_std": float(masked_std(rewards, scorable)),
+        "rollout/accuracy": float(graded.correct.nanmean()),  # of the scorable samples
+        "rollout/completion_len": float(lengths.mean()),
+        "rollout/gen_tokens": float(lengths.sum()),  # the step's generated tokens (all ranks)
+        "rollout/truncated_frac": float((~finished).float().mean()),
+        "rollout/zero_std_group_frac": float((group_std == 0).float().mean()),
+        "rollout/unscorable": float(graded.unscorable),
+        "perf/gen_tokens_per_s": float(lengths.sum()) / max(gen_seconds, 1e-9),
+        "perf/gen_seconds": gen_seconds,
+        **(parts if len(parts) > 1 else {}),
+    }
+
+
+def gather_graded(
+    graded: Graded, lengths: torch.Tensor, finished: torch.Tensor
+) -> tuple[Graded, torch.Tensor, torch.Tensor]:
+    """The whole step's grades, lengths and EOS flags (every rank's groups, in rank order), so that its
+    statistics are those of all B groups, not means of per-rank statistics. One all-gather."""
+    if not is_distributed():
+        return graded, lengths, finished
+    names = list(graded.parts)
+    columns = [graded.rewards, graded.correct.float(), lengths.float(), finished.float()]
+    every = gather_rows(torch.stack(columns + [graded.parts[n] for n in names], dim=-1))  # [W*B, K, F]
+    rewards, correct, lengths, finished = every[..., 0], every[..., 1], every[..., 2], every[..., 3].bool()
+    parts = {n: every[..., 4 + i] for i, n in enumerate(names)}
+    return Graded(rewards, correct, int(rewards.isnan().sum()), parts), lengths, finished
+
+
+def source_index(prompts: list[Prompt], names: list[str]) -> torch.Tensor:
+    """[W*B] each prompt's source, as its index in `names`, over every rank's prompts (rank order)."""
+    return gather_rows(torch.tensor([names.index(p.meta["source"]) for p in prompts]))
+
+
+def source_stats(prompts: list[Prompt], graded: Graded, names: list[str]) -> dict[str, float]:
+    """Per-source reward and accuracy of a mixed-source step. `graded`: the whole step's (every
+    rank's prompts, in rank order)."""
+    index = source_index(prompts, names)  # [W*B]
+    stats = {}
+    for i, name in enumerate(names):
+        rows = index == i  # [W*B]
+        if rows.any():
+            stats[f"rollout/reward/{name}"] = float(graded.rewards[rows].nanmean())
+            stats[f"rollout/accuracy/{name}"] = float(graded.correct[rows].nanmean())
+    return stats
+
+
+def source_outcomes(prompts: list[Prompt], graded: Graded, names: list[str]) -> dict[str, list[int]]:
+    """Each source's samples of the whole step as 1 (correct) or 0, in rank, prompt and sample order;
+    unscorable samples are left out. The same on every rank."""
+    index = source_index(prompts, names)  # [W*B]
+    out = {}
+    for i, name in enumerate(names):
+        verdicts = graded.correct[index == i].flatten()  # [n_i * K]
+        out[name] = [int(v) for v in verdicts[~verdicts.isnan()].tolist()]
+    return out

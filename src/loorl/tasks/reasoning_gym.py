@@ -1,0 +1,388 @@
+"""`task=reasoning_gym`: a weighted mixture of reasoning-gym's procedural datasets, scored by each
+dataset's own `score_answer`, with an optional difficulty curriculum (`loorl.tasks.curriculum`).
+
+Problems: reasoning-gym generates item `idx` of a dataset from `random.Random(seed + idx)` under the
+dataset's config, so a problem is a pure function of (config, seed, idx), the same on every machine.
+The held-out set of a dataset is its first distinct problems from its own seed (`eval_seed`), at its
+starting level; a training draw whose question is one of them is drawn again, so the two are
+disjoint by construction, whatever the seeds and levels. A step's B prompts are split over the
+datasets by weight (largest remainders) and shuffled, a pure function of (seed, step) and the levels.
+
+Answers: the prompt teaches `<answer>...</answer>` (`system_prompt`, reasoning-gym's own prompts by
+name); the answer is the last such tag's text (reasoning-gym's `extract_answer`), and the dataset's
+`score_answer(answer, entry)` scores it. reasoning-gym's default scorer gives `len(oracle)/len(answer)`
+to an answer that merely contains the right one, which a policy can exploit by padding ("3 4 5 6"
+scores 1/7 where 3 is right, a wrong answer 0): `scoring=exact` (the default) rewards 1 where the
+score is 1 and 0 otherwise; `scoring=library` passes the score through, partial credit included.
+
+reasoning-gym is an optional extra, imported only when this task is built.
+"""
+
+from __future__ import annotations
+
+import difflib
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from loorl.errors import ConfigError
+from loorl.tasks.base import Task
+from loorl.tasks.curriculum import Curriculum
+from loorl.tasks.data import format_prompt
+from loorl.tasks.mixed import quotas
+from loorl.types import Prompt
+
+INSTALL = 'pip install -e ".[reasoning-gym]"'
+SCORING = ("exact", "library")
+DATASET_KEYS = ("weight", "level", "config")
+CURRICULUM_KEYS = ("enabled", "window", "raise_above", "lower_below", "range_mode")
+MAX_REDRAWS = 1000  # draws of one training problem before its dataset is called exhausted
+SIZE = 2**31  # the virtual size of a dataset: indices are drawn below it
+
+
+def import_reasoning_gym():
+    """The `reasoning_gym` module, or a one-line error naming the install command."""
+    try:
+        import reasoning_gym
+    except ImportError as err:
+        raise ConfigError(f"task=reasoning_gym needs the reasoning-gym package: {INSTALL}") from err
+    return reasoning_gym
+
+
+def stable_seed(*parts: int | str) -> int:
+    """A 31-bit seed from ints and strings, the same in every process (no Python `hash`)."""
+    key = [zlib.crc32(p.encode()) if isinstance(p, str) else int(p) for p in parts]
+    return int(np.random.default_rng(key).integers(2**31))
+
+
+@dataclass(frozen=True)
+class Source:
+    """One dataset of the mixture as configured."""
+
+    name: str
+    weight: float
+    level: int | None  # the curriculum's starting level; None: `config` alone sets the difficulty
+    config: dict
+
+
+class ReasoningGymTask(Task):
+    name = "reasoning_gym"
+
+    def __init__(
+        self,
+        *,
+        name: str = "reasoning_gym",
+        datasets: dict,
+        curriculum: dict | None = None,
+        eval_size: int = 50,
+        eval_seed: int = 1234,
+        system_prompt: str | None = "direct",
+        chat_template: bool | str = "auto",
+        answer_tag: str = "answer",
+        shots: int = 1,
+        scoring: str = "exact",
+        max_new_tokens: int = 64,  # the default of rollout.max_new_tokens; unused here
+    ) -> None:
+        self.rg = import_reasoning_gym()
+        from reasoning_gym.coaching.base_curriculum import DefaultCurriculumContext, RangeAttributeMode
+        from reasoning_gym.factory import CURRICULA, DATASETS
+        from reasoning_gym.utils import SYSTEM_PROMPTS
+
+        if scoring not in SCORING:
+            raise ConfigError(f"task.scoring={scoring!r} is not one of: {', '.join(SCORING)}")
+        if not datasets:
+            raise ConfigError(
+                "task.datasets is empty: name at least one reasoning-gym dataset {weight, config}"
+            )
+        if shots < 0:
+            raise ConfigError(f"task.shots={shots} must be 0 (none) or more worked examples")
+        if eval_size < 1:
+            raise ConfigError(f"task.eval_size={eval_size} must be at least 1 problem per dataset")
+        self.name, self.eval_size, self.eval_seed = name, eval_size, eval_seed
+        self.scoring, self.answer_tag, self.chat_template = scoring, answer_tag, chat_template
+        self.system_prompt = SYSTEM_PROMPTS.get(system_prompt, system_prompt) if system_prompt else None
+        cur = {"enabled": False, "window": 64, "raise_above": 0.8, "lower_below": None,
+               "range_mode": "inclusive", **dict(curriculum or {})}  # fmt: skip
+        unknown = set(cur) - set(CURRICULUM_KEYS)
+        if unknown:
+            raise ConfigError(f"task.curriculum.{sorted(unknown)[0]} is not a curriculum setting")
+        modes = [m.value for m in RangeAttributeMode]
+        if cur["range_mode"] not in modes:
+            raise ConfigError(
+                f"task.curriculum.range_mode={cur['range_mode']!r} is not one of: {', '.join(modes)}"
+            )
+        self.context = DefaultCurriculumContext(mode=RangeAttributeMode(cur["range_mode"]))
+        self.sources = [
+            self._source(n, spec, DATASETS, CURRICULA) for n, spec in datasets.items() if spec is not None
+        ]
+        if not self.sources:  # (a null entry leaves a dataset out: an experiment's way to drop the base's)
+            raise ConfigError("task.datasets has no dataset left (every entry is null): name at least one")
+        self.datasets: dict[tuple[str, int | None, str], object] = {}  # (name, level, split) -> dataset
+        leveled = {s.name: s.level for s in self.sources if s.level is not None}
+        self.curriculum = None
+        if cur["enabled"]:
+            if not leveled:
+                raise ConfigError(
+                    "task.curriculum.enabled=true moves levels, and no dataset of task.datasets has one: "
+                    "give a dataset a starting level (task.datasets.<name>.level=0)"
+                )
+            self.curriculum = Curriculum(
+                levels=dict(leveled),
+                max_levels={n: self.max_level(n) for n in leveled},
+                window=int(cur["window"]),
+                raise_above=float(cur["raise_above"]),
+                lower_below=None if cur["lower_below"] is None else float(cur["lower_below"]),
+            )
+        self.tokenizer, self.max_prompt_length = None, None  # set by prepare()
+        self.skipped_long = 0  # training draws left out: their prompt was over the length limit
+        self._heldout = {s.name: self._heldout_entries(s) for s in self.sources}
+        self._heldout_questions = {n: {e["question"] for e in es} for n, es in self._heldout.items()}
+        self._shots = {s.name: self._shot_entries(s, shots) for s in self.sources}
+
+    # ---- configuration ---------------------------------------------------------------------------
+    def _source(self, name: str, spec, DATASETS: dict, CURRICULA: dict) -> Source:
+        spec = dict(spec or {})
+        if name not in DATASETS:
+            close = difflib.get_close_matches(name, list(DATASETS), n=3)
+            hint = f" (did you mean {', '.join(close)}?)" if close else ""
+            raise ConfigError(f"task.datasets.{name} is not a reasoning-gym dataset{hint}")
+        unknown = set(spec) - set(DATASET_KEYS)
+        if unknown:
+            raise ConfigError(f"task.datasets.{name}.{sorted(unknown)[0]} is not a dataset setting "
+                              f"({', '.join(DATASET_KEYS)})")  # fmt: skip
+        weight, level, config = (
+            float(spec.get("weight", 1.0)),
+            spec.get("level"),
+            dict(spec.get("config") or {}),
+        )
+        if not weight > 0:
+            raise ConfigError(f"task.datasets.{name}.weight={weight} must be positive")
+        config_cls = DATASETS[name][1]
+        fields = set(config_cls.__dataclass_fields__)
+        for key in config:
+            if key not in fields or key in ("seed", "size"):
+                raise ConfigError(
+                    f"task.datasets.{name}.config.{key} is not a setting of {config_cls.__name__} "
+                    f"(seed and size are loorl's): {', '.join(sorted(fields - {'seed', 'size'}))}"
+                )
+        if level is not None:
+            if name not in CURRICULA:
+                raise ConfigError(
+                    f"task.datasets.{name}.level={level}: {name} has no reasoning-gym curriculum: "
+                    "set level: null and its difficulty in config"
+                )
+            ruled = self._ruled_fields(CURRICULA[name]())
+            clash = sorted(set(config) & ruled)
+            if clash:
+                raise ConfigError(
+                    f"task.datasets.{name}.config.{clash[0]} is set by the curriculum level "
+                    f"(task.datasets.{name}.level); drop it, or set level: null to set it by hand"
+                )
+            level = int(level)
+        return Source(name, weight, level, config)
+
+    @staticmethod
+    def _ruled_fields(curriculum) -> set[str]:
+        """The config fields a reasoning-gym curriculum sets from its level."""
+        out = set()
+        for attr in curriculum.attributes.values():
+            names = (getattr(attr, "lower_field_name", None), getattr(attr, "upper_field_name", None),
+                     getattr(attr, "field_name", None))  # fmt: skip
+            out |= {n for n in names if n}
+        return out
+
+    def max_level(self, name: str) -> int:
+        from reasoning_gym.factory import create_curriculum
+
+        return max(len(a.levels) for a in create_curriculum(name).attributes.values()) - 1
+
+    def config_at(self, source: Source, level: int | None, *, seed: int) -> object:
+        """The dataset's config object at `level` (reasoning-gym's curriculum over the user's config)."""
+        from reasoning_gym.factory import DATASETS, create_curriculum
+
+        defaults = {**source.config, "seed": seed, "size": SIZE}
+        try:
+            if level is None:
+                config = DATASETS[source.name][1](**defaults)
+            else:
+                curriculum = create_curriculum(source.name)
+                curriculum.set_global_level(level)
+                config = curriculum.generate_configuration(defaults, context=self.context)
+            config.validate()
+        except (TypeError, ValueError, AssertionError) as err:
+            raise ConfigError(
+                f"task.datasets.{source.name}: reasoning-gym refuses its config: {err}"
+            ) from err
+        return config
+
+    def dataset(self, source: Source, level: int | None, split: str):
+        """The reasoning-gym dataset of `source` at `level`, for `split` (train or eval: own seeds)."""
+        key = (source.name, level, split)
+        if key not in self.datasets:
+            seed = stable_seed(self.eval_seed if split == "eval" else 0, source.name, split)
+            from reasoning_gym.factory import DATASETS
+
+            self.datasets[key] = DATASETS[source.name][0](config=self.config_at(source, level, seed=seed))
+        return self.datasets[key]
+
+    def _by_name(self, name: str) -> Source:
+        return next(s for s in self.sources if s.name == name)
+
+    # ---- problems --------------------------------------------------------------------------------
+    def _heldout_entries(self, source: Source) -> list[dict]:
+        """The first `eval_size` distinct problems of the dataset's eval stream, at its starting level."""
+        ds, seen, out = self.dataset(source, source.level, "eval"), set(), []
+        for idx in range(self.eval_size * 20):
+            entry = ds[idx]
+            if entry["question"] not in seen:
+                seen.add(entry["question"])
+                out.append(entry)
+                if len(out) == self.eval_size:
+                    break
+        return out
+
+    def _shot_entries(self, source: Source, shots: int) -> list[tuple[str, str]]:
+        """The worked examples shown before each of the dataset's questions: the first `shots` distinct
+        problems of its training stream at its starting level that are not held out."""
+        ds, held, out = self.dataset(source, source.level, "train"), self._heldout_questions[source.name], []
+        for idx in range(shots * 20 + 20):
+            if len(out) == shots:
+                break
+            entry = ds[idx]
+            if entry["question"] not in held and entry["question"] not in {q for q, _ in out}:
+                out.append((entry["question"], self.tagged(entry["answer"])))
+        return out
+
+    def tagged(self, answer) -> str:
+        """An answer as the prompt teaches it: `<answer>42</answer>`."""
+        return f"<{self.answer_tag}>{answer}</{self.answer_tag}>"
+
+    @property
+    def source_names(self) -> list[str]:
+        return [s.name for s in self.sources]
+
+    def level_of(self, name: str) -> int | None:
+        """The dataset's current training level (its starting one without a curriculum)."""
+        if self.curriculum is not None and name in self.curriculum.levels:
+            return self.curriculum.levels[name]
+        return self._by_name(name).level
+
+    def _prompt(self, source: Source, entry: dict, level: int | None) -> Prompt:
+        text = format_prompt(
+            entry["question"],
+            tokenizer=self.tokenizer,
+            use_chat_template=self.chat_template if self.tokenizer is not None else False,
+            system_prompt=self.system_prompt,
+            examples=self._shots[source.name],
+        )
+        meta = {"source": source.name, "level": level, "entry": entry, "question": entry["question"]}
+        return Prompt(text=text, answer=str(entry["answer"]), meta=meta)
+
+    def _too_long(self, text: str) -> bool:
+        if self.tokenizer is None or self.max_prompt_length is None:
+            return False
+        return len(self.tokenizer(text, add_special_tokens=False).input_ids) > self.max_prompt_length
+
+    def _draw(self, source: Source, count: int, rng: np.random.Generator) -> list[Prompt]:
+        """`count` training problems of `source` at its current level, none of them held out."""
+        level = self.level_of(source.name)
+        ds, held, out = self.dataset(source, level, "train"), self._heldout_questions[source.name], []
+        while len(out) < count:
+            for _ in range(MAX_REDRAWS):
+                entry = ds[int(rng.integers(SIZE))]
+                if entry["question"] in held:
+                    continue
+                prompt = self._prompt(source, entry, level)
+                if self._too_long(prompt.text):
+                    self.skipped_long += 1
+                    continue
+                out.append(prompt)
+                break
+            else:
+                raise ConfigError(
+                    f"task.datasets.{source.name}: {MAX_REDRAWS} draws at level {level} gave no problem that "
+                    "is neither held out nor over rollout.max_prompt_length: lower task.eval_size or raise "
+                    "the limit"
+                )
+        return out
+
+    def train_prompts(self, n: int, *, rng: np.random.Generator) -> list[Prompt]:
+        out = []
+        for source, count in zip(self.sources, quotas(n, [s.weight for s in self.sources])):
+            out += self._draw(source, count, rng)
+        return [out[i] for i in rng.permutation(len(out))]
+
+    def eval_prompts(self) -> list[Prompt]:
+        return [self._prompt(s, e, s.level) for s in self.sources for e in self._heldout[s.name]]
+
+    def prepare(self, tokenizer, *, max_prompt_length: int) -> None:
+        """Render prompts with the tokenizer from now on; held-out prompts must fit the length limit,
+        and every character of them must be in the vocabulary (the tiny model's is printable ASCII)."""
+        self.tokenizer, self.max_prompt_length = tokenizer, max_prompt_length
+        unk = getattr(tokenizer, "unk_token_id", None)
+        for p in self.eval_prompts():
+            ids = tokenizer(p.text, add_special_tokens=False).input_ids
+            if len(ids) > max_prompt_length:
+                raise ConfigError(
+                    f"a held-out {p.meta['source']} prompt has {len(ids)} tokens, more than "
+                    f"rollout.max_prompt_length={max_prompt_length}: raise the limit or lower its level"
+                )
+            if unk is not None and unk in ids:
+                bad = sorted({c for c in p.text if unk in tokenizer(c, add_special_tokens=False).input_ids})
+                raise ConfigError(
+                    f"task.datasets.{p.meta['source']}: the tokenizer has no token for {bad[:5]} in its "
+                    "prompts: choose datasets whose text it covers, or a model with a byte-level tokenizer"
+                )
+
+    # ---- grading ---------------------------------------------------------------------------------
+    def extract_answer(self, prompt: Prompt, completion: str) -> str | None:
+        from reasoning_gym.utils import extract_answer
+
+        return extract_answer(completion, tag_name=self.answer_tag)
+
+    def score(self, prompt: Prompt, answer: str | None) -> float:
+        """reasoning-gym's own score of an extracted answer (the dataset's `score_answer`)."""
+        source = self._by_name(prompt.meta["source"])
+        return float(
+            self.dataset(source, prompt.meta["level"], "train").score_answer(answer, prompt.meta["entry"])
+        )
+
+    def grade(self, prompt: Prompt, completion: str) -> tuple[float | None, bool]:
+        score = self.score(prompt, self.extract_answer(prompt, completion))
+        correct = score >= 1.0
+        return (score if self.scoring == "library" else float(correct)), correct
+
+    def reward(self, prompt: Prompt, completion: str) -> float | None:
+        return self.grade(prompt, completion)[0]
+
+    # ---- curriculum ------------------------------------------------------------------------------
+    def observe(self, step: int, outcomes: dict[str, list[int]]) -> dict[str, float]:
+        """A training step's outcomes per dataset move the curriculum; returns the levels to log."""
+        if self.curriculum is not None:
+            self.curriculum.observe(step, outcomes)
+        stats = {f"curriculum/level/{s.name}": float(lv) for s in self.sources
+                 if (lv := self.level_of(s.name)) is not None}  # fmt: skip
+        if self.tokenizer is not None:
+            stats["rollout/skipped_long_prompts"] = float(self.skipped_long)
+        return stats
+
+    def state_dict(self) -> dict:
+        return {} if self.curriculum is None else {"curriculum": self.curriculum.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.curriculum is not None and state.get("curriculum"):
+            self.curriculum.load_state_dict(state["curriculum"])
+
+    def run_facts(self) -> dict[str, str]:
+        parts = [f"{s.name} (weight {s.weight:g}, level {s.level})" for s in self.sources]
+        facts = {"reasoning-gym": ", ".join(parts) + f"; scoring={self.scoring}"}
+        if self.curriculum is not None:
+            c = self.curriculum
+            lower = "never lowered" if c.lower_below is None else f"lowered under {c.lower_below:g}"
+            facts["curriculum"] = f"raise at >= {c.raise_above:g} over {c.window} samples, {lower}"
+        return facts
+
+    def sft_examples(self, n: int, *, rng: np.random.Generator) -> list[tuple[str, str]]:
+        """The tiny model's warm start: training problems answered in the taught format."""
+        return [(p.text, self.tagged(p.answer)) for p in self.train_prompts(n, rng=rng)]
