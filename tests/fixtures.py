@@ -16,6 +16,8 @@ import fcntl
 import importlib.util
 import json
 import os
+import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
@@ -191,6 +193,22 @@ def metric_values(run: Path) -> dict[tuple[str, str], list[str]]:
 def history(run: Path) -> dict:
     h = json.loads((run / "metrics.json").read_text())["history"]
     return {k: v for k, v in h.items() if not k.startswith("perf/")}
+
+
+def start_and_signal(cmd: list[str], wait_for: Path, sig: int, *, env: dict, delay: float = 0.3,
+                     timeout: float = 600) -> subprocess.Popen:  # fmt: skip
+    """Start the run `cmd` (from the checkout's root); once `wait_for` exists (and `delay` later),
+    send it `sig`; wait for its end and return the process."""
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    proc = subprocess.Popen(cmd, cwd=SRC.parent, env=env, **quiet)
+    deadline = time.time() + timeout
+    while not wait_for.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.02)
+    time.sleep(delay)
+    assert proc.poll() is None, "the run ended before it could be interrupted"
+    proc.send_signal(sig)
+    proc.wait(timeout=timeout)
+    return proc
 
 
 def assert_same_run(a: Path, b: Path) -> None:

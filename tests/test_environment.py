@@ -367,7 +367,7 @@ def test_the_worked_environment_runs_unchanged_in_trls_grpo_trainer(tmp_path):
 def test_a_killed_run_with_an_environment_resumes_to_the_same_run(tmp_path, model_cache):
     """The worked example's run after a kill -9 logs the uninterrupted run's values, tools/ and
     rewards (get_reward's) included."""
-    from fixtures import ON_CPU, assert_same_run, metric_values
+    from fixtures import ON_CPU, assert_same_run, metric_values, start_and_signal
 
     def command(run):
         return [sys.executable, str(ROOT / "src" / "train.py"), "debug=quick",
@@ -387,14 +387,7 @@ def test_a_killed_run_with_an_environment_resumes_to_the_same_run(tmp_path, mode
     calls = [float(v[0]) for (key, _), v in values if key == "tools/calls_per_sample"]
     assert calls and max(calls) > 0
     first = run / "checkpoints" / "epoch=3-step=4.ckpt"
-    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    proc = subprocess.Popen(command(run), cwd=ROOT, env=env, **quiet)
-    deadline = time.time() + 900
-    while not first.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    time.sleep(0.3)
-    assert proc.poll() is None, "the run ended before it could be killed"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
+    killed = start_and_signal(command(run), first, signal.SIGKILL, env=env, timeout=900)
+    assert killed.returncode == -signal.SIGKILL
     run_to_end([*command(run), "resume_from=auto"])
     assert_same_run(straight, run)

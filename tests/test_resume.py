@@ -12,13 +12,20 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from fixtures import DIGIT_TOOLS, ON_CPU, assert_same_run, metric_values, needs_vllm, needs_wandb
+from fixtures import (
+    DIGIT_TOOLS,
+    ON_CPU,
+    assert_same_run,
+    metric_values,
+    needs_vllm,
+    needs_wandb,
+    start_and_signal,
+)
 from loorl.cli.train import train
 from loorl.errors import ConfigError
 from loorl.training.checkpoints import (
@@ -53,15 +60,7 @@ def _run(cmd: list[str]) -> subprocess.CompletedProcess:
 
 def _start_and_signal(cmd: list[str], wait_for: Path, sig: int, delay: float = 0.3) -> subprocess.Popen:
     """Start the run; once `wait_for` exists (and `delay` later), send `sig`; wait for the end."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 600
-    while not wait_for.exists() and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.02)
-    time.sleep(delay)
-    assert proc.poll() is None, "the run ended before it could be interrupted"
-    proc.send_signal(sig)
-    proc.wait(timeout=600)
-    return proc
+    return start_and_signal(cmd, wait_for, sig, env=_env(), delay=delay)
 
 
 @pytest.fixture(scope="module")
