@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from fixtures import needs
 from loorl.cli.evaluate import evaluate
 from loorl.cli.train import train
 from loorl.config import compose_config
@@ -76,6 +77,21 @@ def test_eval_of_the_checkpoint_matches_the_exported_policy(trained, model_cache
     assert results["metrics"]["pass@1_greedy"] == pytest.approx(summary["val_accuracy_end"], abs=1e-6)
     assert set(results["metrics"]) == {"pass@1_greedy", "reward", "unscorable"}  # samples=0: greedy only
     assert results["metrics"]["unscorable"] == 0 and results["facts"] == {}  # arithmetic: no sandbox
+
+
+@needs("lm_eval", what="lm-eval (.[lm-eval], part of .[test])")
+def test_lm_eval_of_the_checkpoint_matches_loorls_own(trained, model_cache, tmp_path):
+    """A checkpoint goes to lm-eval as a temporary HF folder, removed afterwards; lm-eval's exact match on
+    the held-out sums (examples/lm_eval) is loorl's greedy pass@1 and the run's last validation."""
+    run, summary = trained
+    overrides = (f"policy={run}/checkpoints/last.ckpt", "eval.samples=0", "lm_eval.tasks=[loorl_arithmetic]",
+                 f"lm_eval.include_path={ROOT}/examples/lm_eval", "lm_eval.log_samples=false")  # fmt: skip
+    results = evaluate(eval_config(model_cache, tmp_path, *overrides))
+    exact = results["lm_eval"]["results"]["loorl_arithmetic"]["exact_match,none"]
+    assert exact == pytest.approx(results["metrics"]["pass@1_greedy"], abs=1e-6)  # float32
+    assert exact == pytest.approx(summary["val_accuracy_end"], abs=1e-6)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "lm_eval_results.json", "results.json", "results.md", "samples.csv"]  # fmt: skip
 
 
 def test_eval_on_drawn_training_prompts(trained, model_cache, tmp_path):

@@ -5,7 +5,8 @@ The policy is an exported HF folder (`<run>/policy`: loaded as the model) or a l
 (`<run>/checkpoints/last.ckpt`: its weights over the configured base model, whose identity the
 checkpoint must share). Lightning's `validate` then runs `RolloutDataModule.heldout_results` over the
 prompts (greedy pass@1 and reward; pass@k and maj@k from n samples), and the results are written
-as `results.json`, `results.md` and `samples.csv` in the output folder.
+as `results.json`, `results.md` and `samples.csv` in the output folder. With `lm_eval.tasks`, lm-eval
+runs on the same policy too and writes its results beside them (`loorl.cli.lm_harness`).
 """
 
 from __future__ import annotations
@@ -14,12 +15,20 @@ import json
 import logging
 import math
 import os
+import tempfile
 import time
 import warnings
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from loorl.cli.lm_harness import (
+    HarnessSettings,
+    export_checkpoint,
+    require_lm_eval,
+    run_harness,
+    task_manager,
+)
 from loorl.config import check_config
 from loorl.errors import ConfigError
 from loorl.models.sources import model_identity, model_label
@@ -93,15 +102,14 @@ def markdown(results: dict) -> str:
 
 
 def evaluate(cfg: DictConfig) -> dict:
-    """Check the settings, load the policy, run the validation loop once, write the results."""
-    from hydra.utils import instantiate
-
-    from loorl.build import build_run, build_task
-    from loorl.cli.train import trainer_precision
-
+    """Check the settings, load the policy, run the validation loop once, write the results; with
+    `lm_eval.tasks`, lm-eval's tasks on the same policy too (`loorl.cli.lm_harness`)."""
     started = time.perf_counter()
     if OmegaConf.is_missing(cfg, "policy"):
         raise ConfigError("policy is not set: pass policy=<run>/policy or policy=<run>/checkpoints/last.ckpt")
+    harness = HarnessSettings.from_cfg(cfg.get("lm_eval"), "lm_eval")
+    if harness.tasks:  # before anything loads: its absence is one line, not a traceback after a model load
+        require_lm_eval()
     e = EvalSettings.from_cfg(cfg.eval, "eval")
     kind = policy_kind(cfg.policy)
     policy = Path(os.path.expanduser(cfg.policy)).resolve()
@@ -114,6 +122,37 @@ def evaluate(cfg: DictConfig) -> dict:
         check_checkpoint(policy, cfg, lora=s.model.lora)
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
+    manager = task_manager(harness) if harness.tasks else None  # an unknown task name fails here
+    results = own_evaluation(cfg, s, e, kind, policy, output_dir, started) if harness.loorl else {}
+    if harness.tasks:
+        results["lm_eval"] = lm_eval_part(harness, manager, s, kind, policy, output_dir)
+    return results
+
+
+def lm_eval_part(harness, manager, s, kind: str, policy: Path, output_dir: Path) -> dict:
+    """lm-eval on the policy (a checkpoint: written out as a temporary HF folder first); its table
+    goes into results.md after loorl's own (or alone), and is printed."""
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="lm_eval_policy_", dir=output_dir) as tmp:
+        model_dir = policy if kind == "hf" else export_checkpoint(s, policy, Path(tmp) / "policy")
+        part = run_harness(harness, manager, model_dir, dtype=s.model.dtype, output_dir=output_dir)
+    if not part:
+        return part
+    part["seconds"] = time.perf_counter() - started
+    section = f"## lm-eval: {policy}\n\n{part['table']}"
+    own = output_dir / "results.md"  # loorl's table, just written (lm_eval.loorl=true)
+    own.write_text((own.read_text() + "\n" if harness.loorl and own.is_file() else "") + section)
+    files = "lm_eval_results.json" + (", lm_eval_samples_<task>.jsonl" if harness.log_samples else "")
+    print("\n" + section + f"\nwritten to {output_dir}/ (results.md, {files})")
+    return part
+
+
+def own_evaluation(cfg: DictConfig, s, e, kind: str, policy: Path, output_dir: Path, started: float) -> dict:
+    """loorl's own evaluation: the validation loop once over the task's prompts."""
+    from hydra.utils import instantiate
+
+    from loorl.build import build_run, build_task
+    from loorl.cli.train import trainer_precision
 
     task = build_task(s)
     for name, line in task.run_facts().items():
