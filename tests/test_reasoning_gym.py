@@ -204,7 +204,7 @@ def test_the_tiny_tokenizer_covers_the_tiny_experiments_prompts(tiny_tokenizer):
 @pytest.mark.parametrize(
     ("experiment", "sources"),
     [
-        ("tiny_reasoning_gym", ["chain_sum", "products"]),
+        ("tiny_reasoning_gym", ["chain_sum", "letter_counting"]),
         ("smollm2_reasoning_gym", ["chain_sum", "products", "leg_counting", "letter_counting"]),
     ],
 )
@@ -216,3 +216,22 @@ def test_the_experiments_compose_and_build_their_mixtures_with_the_curriculum_on
     task = instantiate(default_cfg(f"experiment={experiment}").task)  # a null entry drops the base's dataset
     assert task.source_names == sources and task.curriculum is not None
     assert set(task.curriculum.levels) == set(sources)
+
+
+def test_training_prompts_over_the_length_limit_are_drawn_again_and_counted_through_a_resume(tiny_tokenizer):
+    """A curriculum's longer problems never stop a run: a draw over rollout.max_prompt_length is drawn
+    again, counted, and the count is part of the checkpointed state."""
+    curriculum = {"enabled": True, "window": 1, "raise_above": 1.0}
+    kwargs = {"datasets": {"chain_sum": {"level": 0}}, "system_prompt": None, "shots": 0,
+              "chat_template": False, "eval_size": 5, "curriculum": curriculum}  # fmt: skip
+    task = make(**kwargs)
+    task.prepare(tiny_tokenizer, max_prompt_length=80)  # level 0's prompts: 67 characters, one token each
+    for step in range(4):  # up to level 4: 2 to 6 terms of 1 to 5 digits, many over 80 characters
+        task.observe(step, {"chain_sum": [1]})
+    drawn = task.prompts_for_step(4, 64, seed=0)
+    assert {p.meta["level"] for p in drawn} == {4}
+    assert max(len(p.text) for p in drawn) <= 80 and task.skipped_long > 10
+    resumed = make(**kwargs)
+    resumed.load_state_dict(task.state_dict())
+    assert resumed.skipped_long == task.skipped_long and resumed.level_of("chain_sum") == 4
+    assert task.observe(4, {})["rollout/skipped_long_prompts"] == float(task.skipped_long)

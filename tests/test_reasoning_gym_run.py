@@ -85,6 +85,8 @@ def test_the_curriculum_raises_a_level_at_the_steps_its_rule_says(straight):
             expected.append(float(level))
         assert levels == expected, (name, accuracy, levels)
         moves += int(levels[-1])
+        row = f"| {name}: held-out accuracy; reward (first -> last steps); level |"
+        assert row in (straight / "summary.md").read_text()
     assert moves > 0  # the rule was exercised, not only its absence
 
 

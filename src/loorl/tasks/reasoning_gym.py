@@ -84,7 +84,7 @@ class ReasoningGymTask(Task):
         scoring: str = "exact",
         max_new_tokens: int = 64,  # the default of rollout.max_new_tokens; unused here
     ) -> None:
-        self.rg = import_reasoning_gym()
+        import_reasoning_gym()
         from reasoning_gym.coaching.base_curriculum import DefaultCurriculumContext, RangeAttributeMode
         from reasoning_gym.factory import CURRICULA, DATASETS
         from reasoning_gym.utils import SYSTEM_PROMPTS
@@ -368,14 +368,21 @@ class ReasoningGymTask(Task):
         return stats
 
     def state_dict(self) -> dict:
-        return {} if self.curriculum is None else {"curriculum": self.curriculum.state_dict()}
+        """The curriculum's state and the count of long prompts skipped so far (logged as a running
+        total: a resumed run goes on counting from the checkpoint's)."""
+        state = {"skipped_long": self.skipped_long}
+        return state | ({} if self.curriculum is None else {"curriculum": self.curriculum.state_dict()})
 
     def load_state_dict(self, state: dict) -> None:
+        self.skipped_long = int(state.get("skipped_long", 0))
         if self.curriculum is not None and state.get("curriculum"):
             self.curriculum.load_state_dict(state["curriculum"])
 
     def run_facts(self) -> dict[str, str]:
-        parts = [f"{s.name} (weight {s.weight:g}, level {s.level})" for s in self.sources]
+        parts = [
+            f"{s.name} (weight {s.weight:g}, level {s.level}, {len(self._heldout[s.name])} held out)"
+            for s in self.sources
+        ]  # fewer than eval_size: the dataset has no more distinct ones
         facts = {"reasoning-gym": ", ".join(parts) + f"; scoring={self.scoring}"}
         if self.curriculum is not None:
             c = self.curriculum

@@ -217,9 +217,13 @@ class RunSummary(L.Callback):
             acc = self.series(f"val/accuracy/{source}")
             reward = self.series(f"rollout/reward/{source}")
             window = max(1, min(10, len(reward) // 5))
-            rows.append((f"{source}: held-out accuracy; reward (first -> last steps)",
-                         f"{pct(acc[0])} -> {pct(acc[-1])}; "
-                         f"{num(_mean(reward[:window]))} -> {num(_mean(reward[-window:]))}"))  # fmt: skip
+            levels = self.series(f"curriculum/level/{source}")  # task.curriculum: first and last levels
+            label = f"{source}: held-out accuracy; reward (first -> last steps)" + (
+                "; level" if levels else ""
+            )
+            first, last = num(_mean(reward[:window])), num(_mean(reward[-window:]))
+            value = f"{pct(acc[0])} -> {pct(acc[-1])}; {first} -> {last}"
+            rows.append((label, value + (f"; {levels[0]:.0f} -> {levels[-1]:.0f}" if levels else "")))
         rows += [
             ("reward (first -> last steps)", f"{num(s['reward_first'])} -> {num(s['reward_last'])}"),
             ("KL to reference (last step)", num(s["kl_last"], ".4f")),
