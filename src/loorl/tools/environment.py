@@ -30,8 +30,8 @@ from loorl.tools.base import ToolCall, ToolError, _call_in_thread, clean_text, c
 from loorl.util.plugins import import_object
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"  # the one call format (Hermes, as Qwen2.5/3 write it)
-NOT_TOOLS = ("reset", "get_reward")
-CALL_KEYS = {"name", "arguments"}  # the contract's own methods: never callable by the policy
+NOT_TOOLS = ("reset", "get_reward")  # the contract's own methods: never callable by the policy
+CALL_KEYS = {"name", "arguments"}  # the keys a call's JSON object may have
 _JSON_TYPES: dict[str, type | tuple[type, ...]] = {
     "string": str,
     "integer": int,
