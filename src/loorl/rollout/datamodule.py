@@ -47,7 +47,13 @@ from loorl.rollout.multi_turn import (
     tool_stats,
     used_a_tool,
 )
-from loorl.rollout.step_stats import gather_graded, rollout_stats, source_outcomes, source_stats
+from loorl.rollout.step_stats import (
+    gather_graded,
+    rollout_stats,
+    source_index,
+    source_outcomes,
+    source_stats,
+)
 from loorl.settings import OverlongSettings, RLSettings, RolloutSettings
 from loorl.tasks.base import Task
 from loorl.types import Completion, Prompt, Rollout, RolloutBatch
@@ -397,8 +403,9 @@ class RolloutDataModule(L.LightningDataModule):
             stats["rollout/overlong_penalty"] = total / count
         names = getattr(self.task, "source_names", None)
         if names:  # task=mix, task=reasoning_gym: per source; a task that adapts (a curriculum) moves
-            stats |= source_stats(prompts, everyone[0], names)
-            stats |= self.task.observe(step, source_outcomes(prompts, everyone[0], names))
+            index = source_index(prompts, names)  # [W*B] one all-gather for both
+            stats |= source_stats(index, everyone[0], names)
+            stats |= self.task.observe(step, source_outcomes(index, everyone[0], names))
         flat = [c for g in groups for c in g]
         if any(c.policy_mask is not None for c in flat):  # multi-turn rollouts with tools (all ranks)
             stats |= tool_stats(all_reduce(tool_counts(flat)).tolist())

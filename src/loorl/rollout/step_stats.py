@@ -54,10 +54,9 @@ def source_index(prompts: list[Prompt], names: list[str]) -> torch.Tensor:
     return gather_rows(torch.tensor([names.index(p.meta["source"]) for p in prompts]))
 
 
-def source_stats(prompts: list[Prompt], graded: Graded, names: list[str]) -> dict[str, float]:
-    """Per-source reward and accuracy of a mixed-source step. `graded`: the whole step's (every
-    rank's prompts, in rank order)."""
-    index = source_index(prompts, names)  # [W*B]
+def source_stats(index: torch.Tensor, graded: Graded, names: list[str]) -> dict[str, float]:
+    """Per-source reward and accuracy of a mixed-source step. `index` [W*B]: `source_index`;
+    `graded`: the whole step's (every rank's prompts, in rank order)."""
     stats = {}
     for i, name in enumerate(names):
         rows = index == i  # [W*B]
@@ -67,10 +66,9 @@ def source_stats(prompts: list[Prompt], graded: Graded, names: list[str]) -> dic
     return stats
 
 
-def source_outcomes(prompts: list[Prompt], graded: Graded, names: list[str]) -> dict[str, list[int]]:
+def source_outcomes(index: torch.Tensor, graded: Graded, names: list[str]) -> dict[str, list[int]]:
     """Each source's samples of the whole step as 1 (correct) or 0, in rank, prompt and sample order;
-    unscorable samples are left out. The same on every rank."""
-    index = source_index(prompts, names)  # [W*B]
+    unscorable samples are left out. The same on every rank. `index` [W*B]: `source_index`."""
     out = {}
     for i, name in enumerate(names):
         verdicts = graded.correct[index == i].flatten()  # [n_i * K]

@@ -230,29 +230,32 @@ class ReasoningGymTask(Task):
         return next(s for s in self.sources if s.name == name)
 
     # ---- problems --------------------------------------------------------------------------------
-    def _heldout_entries(self, source: Source) -> list[dict]:
-        """The first `eval_size` distinct problems of the dataset's eval stream, at its starting level."""
-        ds, seen, out = self.dataset(source, source.level, "eval"), set(), []
-        for idx in range(self.eval_size * 20):
+    @staticmethod
+    def _distinct(ds, count: int, *, draws: int, exclude: set[str] = frozenset()) -> list[dict]:
+        """The first `count` problems of a dataset's stream (indices 0, 1, ...) with distinct questions
+        not in `exclude`; fewer where its first `draws` indices hold no more."""
+        seen, out = set(exclude), []
+        for idx in range(draws):
+            if len(out) == count:
+                break
             entry = ds[idx]
             if entry["question"] not in seen:
                 seen.add(entry["question"])
                 out.append(entry)
-                if len(out) == self.eval_size:
-                    break
         return out
+
+    def _heldout_entries(self, source: Source) -> list[dict]:
+        """The first `eval_size` distinct problems of the dataset's eval stream, at its starting level."""
+        ds = self.dataset(source, source.level, "eval")
+        return self._distinct(ds, self.eval_size, draws=self.eval_size * 20)
 
     def _shot_entries(self, source: Source, shots: int) -> list[tuple[str, str]]:
         """The worked examples shown before each of the dataset's questions: the first `shots` distinct
         problems of its training stream at its starting level that are not held out."""
-        ds, held, out = self.dataset(source, source.level, "train"), self._heldout_questions[source.name], []
-        for idx in range(shots * 20 + 20):
-            if len(out) == shots:
-                break
-            entry = ds[idx]
-            if entry["question"] not in held and entry["question"] not in {q for q, _ in out}:
-                out.append((entry["question"], self.tagged(entry["answer"])))
-        return out
+        ds = self.dataset(source, source.level, "train")
+        return [(e["question"], self.tagged(e["answer"]))
+                for e in self._distinct(ds, shots, draws=shots * 20 + 20,
+                                        exclude=self._heldout_questions[source.name])]  # fmt: skip
 
     def tagged(self, answer) -> str:
         """An answer as the prompt teaches it: `<answer>42</answer>`."""
