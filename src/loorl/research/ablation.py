@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from loorl.research.stats import mean_ci
+
 log = logging.getLogger(__name__)
 
 SEED_KEYS = ("seed",)
@@ -124,19 +126,6 @@ def group_settings(jobs: list[Job]) -> list[Setting]:
 
 
 # ---- statistics ----------------------------------------------------------------------------------
-def mean_ci(values: list[float] | np.ndarray, *, level: float = 0.95) -> tuple[float, float]:
-    """(mean, half-width of the Student-t confidence interval); the half-width is NaN for n < 2."""
-    from scipy import stats
-
-    x = np.asarray([v for v in values if not math.isnan(v)], dtype=float)
-    if len(x) == 0:
-        return float("nan"), float("nan")
-    if len(x) < 2:
-        return float(x.mean()), float("nan")
-    half = stats.t.ppf(0.5 + level / 2, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
-    return float(x.mean()), float(half)
-
-
 def accuracy_auc(steps: np.ndarray, acc: np.ndarray) -> float:
     """Area under the held-out accuracy curve over the run, divided by its length in steps: the mean
     accuracy along training (rewards learning early, not only where it ends)."""

@@ -49,6 +49,7 @@ from loorl.rollout.multi_turn import (
 )
 from loorl.rollout.step_stats import (
     gather_graded,
+    prompt_digest,
     rollout_stats,
     source_index,
     source_outcomes,
@@ -398,6 +399,7 @@ class RolloutDataModule(L.LightningDataModule):
         )
         everyone = gather_graded(graded, lengths, finished)  # the whole step's, over all ranks
         stats = rollout_stats(*everyone, gen_seconds=float(all_reduce(gen_seconds, "max")))
+        stats["rollout/prompt_digest"] = prompt_digest(prompts)
         if self.overlong.buffer:  # the mean penalty over the step's samples (all ranks)
             total, count = all_reduce(torch.stack([penalty.sum(), torch.tensor(penalty.numel())])).tolist()
             stats["rollout/overlong_penalty"] = total / count

@@ -3,10 +3,12 @@ and the per-source ones of a task that mixes sources (`task=mix`, `task=reasonin
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 from loorl.algo.masked import masked_std
-from loorl.parallel.distributed import gather_rows, is_distributed
+from loorl.parallel.distributed import gather_objects, gather_rows, is_distributed
 from loorl.rewards import Graded
 from loorl.types import Prompt
 
@@ -24,6 +26,7 @@ def rollout_stats(
         "rollout/reward_std": float(masked_std(rewards, scorable)),
         "rollout/accuracy": float(graded.correct.nanmean()),  # of the scorable samples
         "rollout/completion_len": float(lengths.mean()),
+        **length_by_verdict(graded.correct, lengths),
         "rollout/gen_tokens": float(lengths.sum()),  # the step's generated tokens (all ranks)
         "rollout/truncated_frac": float((~finished).float().mean()),
         "rollout/zero_std_group_frac": float((group_std == 0).float().mean()),
@@ -32,6 +35,26 @@ def rollout_stats(
         "perf/gen_seconds": gen_seconds,
         **(parts if len(parts) > 1 else {}),
     }
+
+
+def length_by_verdict(correct: torch.Tensor, lengths: torch.Tensor) -> dict[str, float]:
+    """The mean completion length of the correct and of the wrong samples (`correct` [B, K]: 1, 0 or
+    NaN for unscorable, left out of both); a key is absent when no sample has that verdict. Dr. GRPO's
+    claim is about the second: per-sequence normalisation lets wrong answers grow long."""
+    stats = {}
+    for name, verdict in (("correct", 1.0), ("wrong", 0.0)):
+        chosen = correct == verdict  # [B, K]
+        if chosen.any():
+            stats[f"rollout/completion_len_{name}"] = float(lengths[chosen].float().mean())
+    return stats
+
+
+def prompt_digest(prompts: list[Prompt]) -> float:
+    """A fingerprint of the step's prompts, every rank's in rank order: two runs whose digests agree at
+    every step drew the same prompts in the same order (the study checks its seeds are paired with it).
+    A 24-bit CRC, so that it survives logging as float32 exactly. A collective."""
+    texts = gather_objects([p.text for p in prompts])  # [W][B/W]
+    return float(zlib.crc32("\x1e".join(t for rank in texts for t in rank).encode()) & 0xFFFFFF)
 
 
 def gather_graded(

@@ -1,0 +1,281 @@
+"""The estimator study's tooling (scripts/study.py, loorl.research.study, .stats, .study_report): the paired
+statistics by hand, the config-difference check, paired seeds on the real study's prompts and on real
+runs, resuming, and the report."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from loorl.config import ConfigError
+from loorl.research import study as study_module
+from loorl.research.stats import holm, paired_difference
+from loorl.research.study import check_pairing, check_part, load_study
+
+ROOT = Path(__file__).resolve().parents[1]
+STUDY = [sys.executable, str(ROOT / "scripts" / "study.py")]
+
+
+# ---- statistics, by hand -------------------------------------------------------------------------------
+def test_the_paired_interval_and_p_by_hand():
+    # d = a - b = [0.1, 0.0, 0.2]: mean 0.1, sd 0.1, se 0.1/sqrt(3) = 0.057735; t(0.975, 2) = 4.302653
+    # (tables): half-width 0.248414. t = 1.732051 on 2 df: the t(2) cdf is 1/2 + t / (2 sqrt(2 + t^2)),
+    # so p = 1 - 1.732051 / sqrt(5) = 0.225403
+    d = paired_difference([0.5, 0.6, 0.7], [0.4, 0.6, 0.5])
+    assert d.n == 3 and d.mean == pytest.approx(0.1)
+    assert (d.low, d.high) == (
+        pytest.approx(0.1 - 0.248414, abs=1e-6),
+        pytest.approx(0.1 + 0.248414, abs=1e-6),
+    )
+    assert d.p == pytest.approx(1 - 1.732051 / math.sqrt(5), abs=1e-6)
+    assert (d.wins, d.ties, d.losses) == (2, 1, 0)
+
+
+def test_the_paired_test_agrees_with_scipys_and_pairs_are_what_is_compared():
+    from scipy import stats
+
+    rng = np.random.default_rng(0)
+    seed_effect = rng.normal(0, 0.2, 5)  # what a seed's warm start and prompts add to both settings
+    a, b = 0.5 + seed_effect + rng.normal(0.03, 0.01, 5), 0.5 + seed_effect
+    d = paired_difference(a, b)
+    assert d.p == pytest.approx(stats.ttest_rel(a, b).pvalue, rel=1e-9)
+    assert d.p < 0.01  # paired: the seed effect cancels
+    assert stats.ttest_ind(a, b).pvalue > 0.5  # unpaired, the same numbers show nothing
+
+
+def test_a_missing_seed_is_left_out_and_degenerate_cases():
+    d = paired_difference([0.5, math.nan, 0.7], [0.4, 0.6, 0.6])
+    assert d.n == 2 and d.mean == pytest.approx(0.1)
+    one = paired_difference([0.5], [0.4])
+    assert one.n == 1 and math.isnan(one.low) and math.isnan(one.p)
+    same = paired_difference([0.5, 0.6], [0.4, 0.5])  # every seed +0.1: no spread
+    assert (same.low, same.high, same.p) == (pytest.approx(0.1), pytest.approx(0.1), 0.0)
+    with pytest.raises(ValueError, match="one per seed"):
+        paired_difference([0.1, 0.2], [0.1])
+
+
+def test_holm_by_hand():
+    # sorted 0.01, 0.03, 0.04 (m = 3): 3 x 0.01 = 0.03, 2 x 0.03 = 0.06, max(0.06, 1 x 0.04) = 0.06
+    adjusted = holm([0.01, 0.04, 0.03, math.nan])
+    assert adjusted[:3] == [pytest.approx(0.03), pytest.approx(0.06), pytest.approx(0.06)]
+    assert math.isnan(adjusted[3])
+    assert holm([0.6, 0.7]) == [1.0, 1.0]
+
+
+# ---- the study file and its configs -------------------------------------------------------------------
+def write_study(tmp_path, monkeypatch, parts: dict) -> str:
+    monkeypatch.setattr(study_module, "STUDY_DIR", tmp_path)
+    (tmp_path / "mine.yaml").write_text(yaml.safe_dump({"title": "mine", "parts": parts}, sort_keys=False))
+    return "mine"
+
+
+def test_a_difference_the_part_does_not_name_stops_the_study(tmp_path, monkeypatch):
+    name = write_study(tmp_path, monkeypatch, {"p": {
+        "overrides": ["debug=quick"], "seeds": 2, "may_differ": ["estimator"],
+        "settings": {"rloo": ["estimator=rloo"], "grpo": ["estimator=grpo", "optimizer.lr=0.001"]},
+    }})  # fmt: skip
+    lines = []
+    with pytest.raises(ConfigError, match=r"'grpo' also changes optimizer.lr \(.* -> 0.001\)"):
+        check_part(load_study(name).parts[0], echo=lines.append)
+    assert "estimator.name: rloo -> grpo" in lines[-1] and "optimizer.lr" in lines[-1]  # printed first
+
+
+def test_a_key_may_move_with_the_seed_only_to_the_seeds_value(tmp_path, monkeypatch):
+    name = write_study(tmp_path, monkeypatch, {"p": {
+        "overrides": ["debug=quick", "model.tiny.warm_start.seed=${seed}"], "seeds": 2, "may_differ": [],
+        "settings": {"a": []},
+    }})  # fmt: skip
+    check_part(load_study(name).parts[0], echo=lambda _: None)  # each seed its own warm start: fine
+    name = write_study(tmp_path, monkeypatch, {"p": {
+        "overrides": ["debug=quick", "task.name=run${seed}"], "seeds": 2, "may_differ": [],
+        "settings": {"a": []},
+    }})  # fmt: skip
+    with pytest.raises(ConfigError, match=r"task.name changes with the seed \(run0 -> run1\)"):
+        check_part(load_study(name).parts[0], echo=lambda _: None)
+
+
+@pytest.mark.parametrize(
+    "parts, message",
+    [
+        ({}, "has no parts"),
+        ({"p": {"settings": {}}}, "no settings"),
+        ({"p": {"settings": {"a": []}, "seed": 3}}, "unknown key 'seed'"),
+        ({"p": {"settings": {"a": []}, "reference": "b"}}, "compares 'b', which is not one of its settings"),
+        ({"p": {"settings": {"a": []}, "kind": "sweep"}}, "kind='sweep': choose train or probe"),
+        ({"p": {"settings": {"a": []}, "kind": "probe"}}, "every is required"),
+        ({"p": {"settings": {"a": []}, "seeds": 0}}, "seeds=0: at least 1"),
+    ],
+)
+def test_bad_study_files_are_one_line(tmp_path, monkeypatch, parts, message):
+    name = write_study(tmp_path, monkeypatch, parts)
+    with pytest.raises(ConfigError, match=message) as error:
+        load_study(name)
+    assert "\n" not in str(error.value)
+
+
+def test_an_unknown_study_or_part_names_the_choices():
+    with pytest.raises(ConfigError, match="choose one of .*which_estimator"):
+        load_study("which_estimators")
+    with pytest.raises(ConfigError, match="no such part of which_estimator; its parts: estimators"):
+        load_study("which_estimator", only=["estimator"])
+
+
+@pytest.fixture(scope="module")
+def which_estimator():
+    """The real study, every part composed and checked (its settings' digests set)."""
+    pytest.importorskip("reasoning_gym")
+    study = load_study("which_estimator")
+    lines = []
+    for part in study.parts:
+        check_part(part, echo=lines.append)
+    return study, lines
+
+
+def test_the_real_study_differs_only_where_it_says(which_estimator):
+    study, lines = which_estimator
+    text = "\n".join(lines)
+    assert (
+        "dr_grpo: estimator.name: rloo -> dr_grpo; loss.agg: seq-mean-token-sum -> seq-mean-token-sum-norm"
+        in text
+    )
+    assert "grpo: estimator.name: rloo -> grpo\n" in text  # and nothing else
+    parts = {p.name: p for p in study.parts}
+    assert len(parts["estimators"].seeds) == 5 and len(parts["smollm2"].seeds) == 3
+    # K = 4 in the K part is the estimators part's RLOO: the same resolved config, the same runs
+    digest = {(p.name, s.label): s.digest for p in study.parts for s in p.settings}
+    assert digest[("k", "rloo K=4")] == digest[("estimators", "rloo")]
+    assert digest[("k", "grpo K=4")] == digest[("estimators", "grpo")]
+    assert len({digest[("estimators", s.label)] for s in parts["estimators"].settings}) == 7
+
+
+def test_run_i_of_every_setting_draws_the_same_prompts_in_the_same_order(which_estimator):
+    """Paired seeds, from the prompts themselves: each setting's task built from its own resolved config
+    draws, for a seed, the same prompts at every step; another seed draws others."""
+    from hydra.utils import instantiate
+
+    from loorl.config import compose_config
+
+    study, _ = which_estimator
+    part = next(p for p in study.parts if p.name == "estimators")
+    streams = {}
+    for setting in part.settings:
+        for seed in (0, 1):
+            cfg = compose_config(*setting.overrides, f"seed={seed}", "output_dir=/tmp/unused")
+            task = instantiate(cfg.task)
+            b = cfg.rl.prompts_per_step
+            streams[setting.label, seed] = [
+                [(p.text, p.answer) for p in task.prompts_for_step(step, b, seed=seed)] for step in range(3)
+            ]
+    for seed in (0, 1):
+        first = streams[part.settings[0].label, seed]
+        assert len(first[0]) == 96 and len({t for t, _ in first[0]}) > 50
+        for setting in part.settings[1:]:
+            assert streams[setting.label, seed] == first, setting.label
+    assert streams["rloo", 0] != streams["rloo", 1]
+
+
+def test_the_pairing_check_on_histories():
+    def history(*digests):
+        return {"rollout/prompt_digest": [[i, d] for i, d in enumerate(digests)]}
+
+    runs = {"a": {0: history(1, 2), 1: history(5, 6)}, "b": {0: history(1, 2), 1: history(5, 6)}}
+    lines = check_pairing(runs, {"a": 8, "b": 8})
+    assert "seeds [0, 1], every run drew the same prompts" in lines[0]
+    runs["b"][1] = history(5, 7)
+    with pytest.raises(ValueError, match="seed 1: 'b' drew other prompts than 'a' at step 1"):
+        check_pairing(runs, {"a": 8, "b": 8})
+    assert check_pairing(runs, {"a": 8, "b": 4})  # other batch sizes draw other prompts by design
+    with pytest.raises(ValueError, match="seeds 0 and 1 drew the same prompts"):
+        check_pairing({"a": {0: history(1, 2), 1: history(1, 2)}}, {"a": 8})
+    with pytest.raises(ValueError, match="no rollout/prompt_digest"):
+        check_pairing({"a": {0: {}}}, {"a": 8})
+
+
+# ---- a real study, resumed -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def quick_study(model_cache, tmp_path_factory):
+    out = tmp_path_factory.mktemp("study")
+    command = STUDY + ["quick", "--out", str(out / "runs"), "--report-dir", str(out / "report"),
+                       f"model.cache_dir={model_cache}", "logger=csv"]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out, command, done.stdout
+
+
+def test_the_study_runs_every_setting_and_seed_paired(quick_study):
+    out, _, stdout = quick_study
+    assert "[estimators] 0 runs finished before, 4 to run" in stdout
+    runs = sorted((out / "runs" / "runs").glob("*/seed*/metrics.json"))
+    assert len(runs) == 4
+    digests = {}
+    for metrics in runs:
+        setting = json.loads((metrics.parent.parent / "setting.json").read_text())["label"]
+        history = json.loads(metrics.read_text())["history"]
+        digests[setting, metrics.parent.name] = history["rollout/prompt_digest"]
+        assert "rollout/completion_len_wrong" in history or "rollout/completion_len_correct" in history
+    assert digests["rloo", "seed0"] == digests["grpo", "seed0"] != digests["rloo", "seed1"]
+
+
+def test_the_report_is_written_from_the_runs(quick_study):
+    out, _, _ = quick_study
+    report = out / "report"
+    text = (report / "estimators.md").read_text()
+    assert "| rloo | 2 |" in text and "| grpo - rloo | final acc. |" in text
+    assert "Seeds paired: 2 setting(s) with 8 prompts per step" in text
+    data = json.loads((report / "estimators.json").read_text())
+    finals = data["settings"]["rloo"]["final"]
+    assert len(finals) == 2 and all(0 <= v <= 1 for v in finals)
+    for png in ("estimators_accuracy.png", "estimators_length.png"):
+        assert (report / png).stat().st_size > 10_000
+
+
+def test_a_rerun_runs_only_what_is_missing(quick_study):
+    out, command, _ = quick_study
+    lost = next((out / "runs" / "runs").glob("*/seed1/metrics.json"))
+    lost.unlink()  # as if that run had been cut short
+    again = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert again.returncode == 0 and "[estimators] 3 runs finished before, 1 to run" in again.stdout
+    assert lost.is_file()
+
+
+def test_the_plan_prints_the_differences_and_bad_arguments_are_one_line():
+    done = subprocess.run(STUDY + ["quick", "--plan"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0 and "grpo: estimator.name: rloo -> grpo" in done.stdout
+    bad = subprocess.run(STUDY + ["quick", "--plan", "--nope"], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and "unknown argument --nope" in bad.stderr
+    bad = subprocess.run(STUDY + ["quick", "--plan", "--only", "x"], capture_output=True, text=True, cwd=ROOT)
+    assert bad.returncode == 2 and "error: --only x: no such part of quick" in bad.stdout
+
+
+# ---- the statistics the runs log for the study ------------------------------------------------------------
+def test_length_of_correct_and_wrong_samples_by_hand():
+    import torch
+
+    from loorl.rollout.step_stats import length_by_verdict
+
+    correct = torch.tensor([[1.0, 0.0], [math.nan, 1.0]])  # [B, K]; NaN: unscorable, in neither
+    lengths = torch.tensor([[4, 6], [10, 8]])
+    assert length_by_verdict(correct, lengths) == {
+        "rollout/completion_len_correct": 6.0,  # (4 + 8) / 2
+        "rollout/completion_len_wrong": 6.0,
+    }
+    assert length_by_verdict(torch.ones(2, 2), lengths) == {"rollout/completion_len_correct": 7.0}
+
+
+def test_the_prompt_digest_tells_prompts_and_their_order_apart():
+    from loorl.rollout.step_stats import prompt_digest
+    from loorl.types import Prompt
+
+    a, b = Prompt("1 + 2 =", "3"), Prompt("2 + 2 =", "4")
+    assert prompt_digest([a, b]) == prompt_digest([Prompt("1 + 2 =", "x"), b])  # the texts, not answers
+    assert prompt_digest([a, b]) != prompt_digest([b, a])
+    assert prompt_digest([a]) != prompt_digest([Prompt("1 + 2 = ", "3")])
+    digest = prompt_digest([a, b])
+    assert digest == int(digest) < 2**24 and float(np.float32(digest)) == digest  # exact through float32
