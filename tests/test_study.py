@@ -232,6 +232,10 @@ def test_the_report_is_written_from_the_runs(quick_study):
     data = json.loads((report / "estimators.json").read_text())
     finals = data["settings"]["rloo"]["final"]
     assert len(finals) == 2 and all(0 <= v <= 1 for v in finals)
+    assert (
+        "**RLOO and GRPO on the quick profile**, by held-out accuracy AUC"
+        in (report / "headline.md").read_text()
+    )
     for png in ("estimators_accuracy.png", "estimators_length.png"):
         assert (report / png).stat().st_size > 10_000
 

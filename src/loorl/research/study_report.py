@@ -316,6 +316,34 @@ def probe_table(out: Path, part: Part, learning: dict[str, dict[str, list[float]
     return lines, results
 
 
+def headline(part: Part, data: dict, records: list[dict]) -> list[str]:
+    """The part's findings as markdown bullets: the settings by accuracy AUC, and the comparisons whose
+    interval leaves out 0 (with their p before and after Holm's adjustment)."""
+    ranked = sorted(
+        ((mean_ci(v["auc"]), label) for label, v in data.items() if v), key=lambda item: -item[0][0]
+    )
+    n = max((sum(not math.isnan(x) for x in v["auc"]) for v in data.values() if v), default=0)
+    lines = [
+        f"- **{part.title}**, by held-out accuracy AUC (points, mean ± 95% CI over {n} seeds): "
+        + ", ".join(f"{label} {_pts(*ci)}" for ci, label in ranked)
+        + "."
+    ]
+    clear = [r for r in records if not math.isnan(r["low"]) and (r["low"] > 0 or r["high"] < 0)]
+    if clear:
+        lines += [
+            "  Paired differences whose 95% interval leaves out 0: "
+            + "; ".join(
+                f"{r['a']} - {r['b']}, {r['metric']}: {100 * r['mean']:+.1f} [{100 * r['low']:+.1f}, "
+                f"{100 * r['high']:+.1f}] (p {r['p']:.3f}, Holm {r['p_holm']:.3f})"
+                for r in clear
+            )
+            + "."
+        ]
+    else:
+        lines += [f"  No paired difference's 95% interval leaves out 0 ({len(records)} compared)."]
+    return lines
+
+
 def write_study_report(
     study, out: Path, report_dir: Path, per_step: dict, *, command: str, machine: str
 ) -> None:
@@ -324,7 +352,7 @@ def write_study_report(
 
     report_dir.mkdir(parents=True, exist_ok=True)
     images = report_dir.name  # the page that includes the tables sits beside the folder
-    learning = {}
+    learning, headlines = {}, []
     for part in study.parts:
         only = f"{command.split(' --', 1)[0]} --only {part.name}"
         if part.kind == "probe":
@@ -347,6 +375,7 @@ def write_study_report(
         ]
         summary, data = summary_table(part, jobs)
         comparisons, records = comparison_table(part, data)
+        headlines += headline(part, data, records)
         text += summary + ["", *comparisons, "", f"![{part.title}]({images}/{part.name}_accuracy.png)", ""]
         plot_accuracy(part, jobs, samples, report_dir / f"{part.name}_accuracy.png")
         payload = {"settings": data, "comparisons": records}
@@ -374,3 +403,5 @@ def write_study_report(
             payload["pairing_error"] = str(error)
         (report_dir / f"{part.name}.md").write_text("\n".join(text) + "\n")
         write_json(report_dir / f"{part.name}.json", payload)
+    if headlines:
+        (report_dir / "headline.md").write_text("\n".join(headlines) + "\n")
