@@ -60,6 +60,7 @@ class Part:
     comparisons: list[tuple[str, str]]  # (a, b): a - b per seed
     probe: dict = field(default_factory=dict)
     lengths: bool = False  # also the length of correct and wrong answers along training
+    plan: list[str] = field(default_factory=list)  # how the settings' configs differ (check_part)
 
 
 @dataclass
@@ -179,9 +180,11 @@ def check_part(part: Part, *, echo=print) -> None:
         f"[{part.name}] {len(part.settings)} settings x seeds {part.seeds}; "
         f"they differ from {first.label!r} in:"
     )
+    part.plan = []
     for setting in part.settings[1:]:
         diff = differences(configs[first.label], configs[setting.label])
         shown = "; ".join(f"{k}: {a} -> {b}" for k, a, b in ((k, *v) for k, v in diff.items())) or "nothing"
+        part.plan.append(f"{setting.label}: {shown}")
         echo(f"  {setting.label}: {shown}")
         stray = [k for k in diff if not named(k, part.may_differ)]
         if stray:

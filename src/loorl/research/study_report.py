@@ -373,6 +373,10 @@ def write_study_report(
             f"of compute (the runs' wall time; {machine}).",
             "",
         ]
+        if part.plan:
+            first = part.settings[0].label
+            text += [f"The settings' resolved configs differ from {first}'s in these keys only (checked "
+                     "before the runs):", "", *(f"- {line}" for line in part.plan), ""]  # fmt: skip
         summary, data = summary_table(part, jobs)
         comparisons, records = comparison_table(part, data)
         headlines += headline(part, data, records)
