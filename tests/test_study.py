@@ -229,8 +229,8 @@ def test_the_report_is_written_from_the_runs(quick_study):
     text = (report / "estimators.md").read_text()
     assert "| rloo | 2 |" in text and "| grpo - rloo | final acc. |" in text
     assert (
-        "differ from rloo's in these keys only (checked before the runs):\n\n- grpo: estimator.name: rloo -> grpo\n"
-        in text
+        "differ from rloo's in these keys only (checked before the runs):\n\n"
+        "- grpo: estimator.name: rloo -> grpo\n" in text
     )
     assert "Seeds paired: 2 setting(s) with 8 prompts per step" in text
     data = json.loads((report / "estimators.json").read_text())
