@@ -50,6 +50,7 @@ NOT_CHECKABLE |= {("model", "smollm2_135m"), ("experiment", "smollm2_arithmetic"
 NOT_CHECKABLE |= {
     ("experiment", "smollm2_arithmetic_lora"),
     ("experiment", "smollm2_reasoning_gym"),
+    ("experiment", "study_smollm2"),
 }  # the same model
 NOT_CHECKABLE |= {("experiment", "mix_gsm8k_math")}  # needs its sources' paths (tests/test_mixed.py)
 # the worked environment is imported from examples/environments (on PYTHONPATH) and needs tools on:

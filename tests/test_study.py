@@ -150,8 +150,8 @@ def test_the_real_study_differs_only_where_it_says(which_estimator):
     assert len(parts["estimators"].seeds) == 5 and len(parts["smollm2"].seeds) == 3
     # K = 4 in the K part is the estimators part's RLOO: the same resolved config, the same runs
     digest = {(p.name, s.label): s.digest for p in study.parts for s in p.settings}
-    assert digest[("k", "rloo K=4")] == digest[("estimators", "rloo")]
-    assert digest[("k", "grpo K=4")] == digest[("estimators", "grpo")]
+    assert digest[("k", "rloo_K4")] == digest[("estimators", "rloo")]
+    assert digest[("k", "grpo_K4")] == digest[("estimators", "grpo")]
     assert len({digest[("estimators", s.label)] for s in parts["estimators"].settings}) == 7
 
 
