@@ -213,6 +213,7 @@ def test_the_study_runs_every_setting_and_seed_paired(quick_study):
     out, _, stdout = quick_study
     assert "[estimators] 0 runs finished before, 4 to run" in stdout
     runs = sorted((out / "runs" / "runs").glob("*/seed*/metrics.json"))
+    runs = [r for r in runs if not r.parent.parent.name.endswith("-checkpoints")]  # the probe's own run
     assert len(runs) == 4
     digests = {}
     for metrics in runs:
@@ -242,6 +243,20 @@ def test_the_report_is_written_from_the_runs(quick_study):
     )
     for png in ("estimators_accuracy.png", "estimators_length.png"):
         assert (report / png).stat().st_size > 10_000
+
+
+def test_the_probe_part_probes_the_policy_before_rl_and_at_each_checkpoint(quick_study):
+    out, _, stdout = quick_study
+    assert "[variance] probe at step 0:" in stdout and "--policy" in stdout.split("probe at step 2:")[1]
+    for step in (0, 2):
+        results = json.loads(
+            (out / "runs" / "probe" / "variance" / f"step{step}" / "results.json").read_text()
+        )
+        assert {r["estimator"] for r in results["rows"]} >= {"rloo", "grpo", "reinforce", "batch_mean"}
+    table = (out / "report" / "variance.md").read_text()
+    assert "| estimator | step 0 | step 2 | acc. AUC (estimators) | final acc. (estimators) |" in table
+    rloo = next(line for line in table.splitlines() if line.startswith("| rloo |"))
+    assert "n/a" not in rloo.split("|")[-3]  # the estimators part's AUC beside it
 
 
 def test_a_rerun_runs_only_what_is_missing(quick_study):

@@ -39,7 +39,7 @@ PART_KEYS = {
     "probe",
     "lengths",
 }
-PROBE_KEYS = {"setting", "seed", "every", "args"}
+PROBE_KEYS = {"seed", "every", "args", "beside"}
 
 
 @dataclass

@@ -290,7 +290,8 @@ def probe_table(out: Path, part: Part, learning: dict[str, dict[str, list[float]
         return ["(no probe results yet)"], {}
     steps = list(results)
     names = [r["estimator"] for r in results[steps[0]]["rows"] if r["shift"] == 0]
-    head = ["estimator"] + [f"step {s}" for s in steps] + ["acc. AUC (estimators part)", "final acc."]
+    beside = part.probe.get("beside", "")
+    head = ["estimator"] + [f"step {s}" for s in steps] + [f"acc. AUC ({beside})", f"final acc. ({beside})"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for name in names:
         cells = [name]
@@ -310,7 +311,7 @@ def probe_table(out: Path, part: Part, learning: dict[str, dict[str, list[float]
         f"the RLOO run (seed {part.probe.get('seed', 0)}) after that many RL steps [95% bootstrap "
         f"interval]; every estimator with the run's loss aggregation ({first['loss_agg']}). Rollout "
         f"accuracy of the probed policies: {accuracy}. `batch_mean`: REINFORCE with the batch's mean "
-        "reward as its baseline. Beside it, how the same estimator learned in the estimators part (mean "
+        f"reward as its baseline. Beside it, how the same estimator learned in the {beside} part (mean "
         "± 95% interval over its seeds).",
     ]
     return lines, results
@@ -352,11 +353,11 @@ def write_study_report(
 
     report_dir.mkdir(parents=True, exist_ok=True)
     images = report_dir.name  # the page that includes the tables sits beside the folder
-    learning, headlines = {}, []
+    learning, headlines = {}, []  # learning: part name -> label -> per-seed metrics
     for part in study.parts:
         only = f"{command.split(' --', 1)[0]} --only {part.name}"
         if part.kind == "probe":
-            lines, results = probe_table(out, part, learning)
+            lines, results = probe_table(out, part, learning.get(part.probe.get("beside"), {}))
             seconds = sum(r["seconds"] for r in results.values())
             text = [f"Command: `{only}` ({seconds / 60:.1f} min of probes; {machine})", "", *lines]
             (report_dir / f"{part.name}.md").write_text("\n".join(text) + "\n")
@@ -383,8 +384,8 @@ def write_study_report(
         text += summary + ["", *comparisons, "", f"![{part.title}]({images}/{part.name}_accuracy.png)", ""]
         plot_accuracy(part, jobs, samples, report_dir / f"{part.name}_accuracy.png")
         payload = {"settings": data, "comparisons": records}
+        learning[part.name] = data
         if part.lengths:
-            learning = data
             lengths = length_data(part, jobs)
             text += ["", *length_table(part, lengths), "", f"![lengths]({images}/{part.name}_length.png)", ""]
             plot_length(part, jobs, report_dir / f"{part.name}_length.png")
