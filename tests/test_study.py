@@ -261,11 +261,13 @@ def test_the_probe_part_probes_the_policy_before_rl_and_at_each_checkpoint(quick
 
 def test_a_rerun_runs_only_what_is_missing(quick_study):
     out, command, _ = quick_study
-    lost = next((out / "runs" / "runs").glob("*/seed1/metrics.json"))
-    lost.unlink()  # as if that run had been cut short
+    lost = next(p for p in (out / "runs" / "runs").glob("*/seed1/metrics.json") if "-" not in p.parts[-3])
+    stopped = json.loads(lost.read_text())
+    stopped["summary"]["rl_steps"] = 1  # as a run stopped after one step writes it (and its last.ckpt)
+    lost.write_text(json.dumps(stopped))
     again = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert again.returncode == 0 and "[estimators] 3 runs finished before, 1 to run" in again.stdout
-    assert lost.is_file()
+    assert json.loads(lost.read_text())["summary"]["rl_steps"] == 2
 
 
 def test_the_plan_prints_the_differences_and_bad_arguments_are_one_line():

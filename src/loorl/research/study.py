@@ -47,6 +47,7 @@ class Setting:
     label: str
     overrides: list[str]  # the part's shared overrides, then the setting's own
     digest: str = ""  # of its resolved config without RUN_KEYS and the seed: its runs' folder
+    steps: int = 0  # its rl.steps: a run is finished when it has done them all
 
 
 @dataclass
@@ -175,6 +176,7 @@ def check_part(part: Part, *, echo=print) -> None:
         config = resolved(setting.overrides, part.seeds[0])
         configs[setting.label] = config
         setting.digest = config_digest(config)
+        setting.steps = int(config["rl.steps"])
     first = part.settings[0]
     echo(
         f"[{part.name}] {len(part.settings)} settings x seeds {part.seeds}; "
@@ -215,8 +217,11 @@ def run_dir(out: Path, setting: Setting, seed: int) -> Path:
     return out / "runs" / setting.digest / f"seed{seed}"
 
 
-def finished(folder: Path) -> bool:
-    return (folder / "metrics.json").is_file()
+def finished(folder: Path, steps: int) -> bool:
+    """The run in `folder` did all its `steps`. A run that was stopped writes `metrics.json` too (and
+    `last.ckpt`, from which `resume_from=auto` continues it), with fewer `rl_steps`."""
+    metrics = folder / "metrics.json"
+    return metrics.is_file() and json.loads(metrics.read_text())["summary"].get("rl_steps", 0) >= steps
 
 
 def train_command(setting: Setting, seed: int, folder: Path, extra: list[str] = ()) -> list[str]:
@@ -230,7 +235,12 @@ def run_training(out: Path, part: Part, *, echo=print) -> list[Path]:
     first: an interrupted study has whole seeds); a run that fails is reported and left for the next
     invocation. Returns the folders that failed."""
     failed = []
-    todo = [(seed, s) for seed in part.seeds for s in part.settings if not finished(run_dir(out, s, seed))]
+    todo = [
+        (seed, s)
+        for seed in part.seeds
+        for s in part.settings
+        if not finished(run_dir(out, s, seed), s.steps)
+    ]
     done = len(part.seeds) * len(part.settings) - len(todo)
     echo(f"[{part.name}] {done} runs finished before, {len(todo)} to run")
     for i, (seed, setting) in enumerate(todo, 1):
@@ -247,7 +257,7 @@ def run_training(out: Path, part: Part, *, echo=print) -> list[Path]:
                 command, cwd=CONF_DIR.parent, stdout=log, stderr=subprocess.STDOUT
             ).returncode
         seconds = time.perf_counter() - started
-        if code != 0 or not finished(folder):
+        if code != 0 or not finished(folder, setting.steps):
             failed.append(folder)
             echo(f"[{part.name}]   failed (exit {code}) after {seconds:.0f} s: see {folder / 'study.log'}")
         else:
@@ -276,13 +286,13 @@ def run_probe(out: Path, part: Part, *, echo=print) -> list[Path]:
     setting, seed = part.settings[0], int(part.probe.get("seed", 0))
     folder = probe_run_dir(out, part)
     every = int(part.probe["every"])
-    if not finished(folder):
+    if not finished(folder, setting.steps):
         folder.mkdir(parents=True, exist_ok=True)
         command = train_command(setting, seed, folder, [f"checkpoint_every={every}", "checkpoint_keep=-1"])
         echo(f"[{part.name}] training with checkpoints: {shlex.join(command[1:])}")
         with open(folder / "study.log", "a") as log:
             subprocess.run(command, cwd=CONF_DIR.parent, stdout=log, stderr=subprocess.STDOUT)
-        if not finished(folder):
+        if not finished(folder, setting.steps):
             echo(f"[{part.name}]   failed: see {folder / 'study.log'}")
             return [folder]
     policies = {0: None, **checkpoints_by_step(folder)}

@@ -15,7 +15,7 @@ import numpy as np
 
 from loorl.research.ablation import Job, accuracy_auc, cost_before, first_and_last, read_jobs
 from loorl.research.stats import holm, mean_ci, paired_difference
-from loorl.research.study import Part, run_dir
+from loorl.research.study import Part, finished, run_dir
 
 LENGTH_WINDOW = 10  # steps averaged at the start and at the end of training for the length table
 
@@ -27,7 +27,7 @@ def part_jobs(out: Path, part: Part) -> dict[str, dict[int, Job]]:
         jobs = {}
         for seed in part.seeds:
             folder = run_dir(out, setting, seed)
-            if (folder / "metrics.json").is_file():
+            if finished(folder, setting.steps):  # a run stopped early is not tabulated
                 job = read_jobs([folder])[0][0]
                 job.seed = seed
                 jobs[seed] = job
