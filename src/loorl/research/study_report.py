@@ -365,7 +365,8 @@ def write_study_report(
             continue
         jobs = part_jobs(out, part)
         runs = sum(len(v) for v in jobs.values())
-        if not runs:
+        if not runs:  # the page that includes the part's table still builds
+            (report_dir / f"{part.name}.md").write_text(f"No finished runs yet: `{only}` runs them.\n")
             continue
         wall = sum(float(j.summary.get("wall_seconds", 0)) for v in jobs.values() for j in v.values())
         samples = {label: b_and_n[1] for label, b_and_n in per_step[part.name].items()}
