@@ -152,7 +152,7 @@ def test_the_real_study_differs_only_where_it_says(which_estimator):
     digest = {(p.name, s.label): s.digest for p in study.parts for s in p.settings}
     assert digest[("k", "rloo_K4")] == digest[("estimators", "rloo")]
     assert digest[("k", "grpo_K4")] == digest[("estimators", "grpo")]
-    assert len({digest[("estimators", s.label)] for s in parts["estimators"].settings}) == 7
+    assert len({digest[("estimators", s.label)] for s in parts["estimators"].settings}) == 8
 
 
 def test_run_i_of_every_setting_draws_the_same_prompts_in_the_same_order(which_estimator):
