@@ -115,7 +115,9 @@ def comparison_table(
         for key, title in metrics:
             if not data.get(a) or not data.get(b):
                 continue
-            rows.append((a, b, title, paired_difference(data[a][key], data[b][key])))
+            difference = paired_difference(data[a][key], data[b][key])
+            if difference.n:  # a setting without runs yet has no row
+                rows.append((a, b, title, difference))
     adjusted = holm([r[3].p for r in rows])
     head = f"| a - b | metric | difference ({unit}) | 95% CI | p | p (Holm) | a won, tied, lost |"
     lines = [head, "|" + " --- |" * 7]
