@@ -293,12 +293,15 @@ def probe_table(out: Path, part: Part, learning: dict[str, dict[str, list[float]
     steps = list(results)
     names = [r["estimator"] for r in results[steps[0]]["rows"] if r["shift"] == 0]
     beside = part.probe.get("beside", "")
-    head = ["estimator"] + [f"step {s}" for s in steps] + [f"acc. AUC ({beside})", f"final acc. ({beside})"]
+    shift = next((r["shift"] for r in results[steps[0]]["rows"] if r["shift"] != 0), None)
+    shifted = [f"step {steps[0]}, rewards + {shift:g}"] if shift is not None else []
+    head = ["estimator"] + [f"step {s}" for s in steps] + shifted
+    head += [f"acc. AUC ({beside})", f"final acc. ({beside})"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for name in names:
         cells = [name]
-        for step in steps:
-            row = next(r for r in results[step]["rows"] if r["estimator"] == name and r["shift"] == 0)
+        for step, at in [(step, 0) for step in steps] + ([(steps[0], shift)] if shifted else []):
+            row = next(r for r in results[step]["rows"] if r["estimator"] == name and r["shift"] == at)
             low, high = row["ci95"]
             cells.append(f"{row['relative_variance']:.2f} [{low:.2f}, {high:.2f}]")
         metrics = learning.get(name)
@@ -312,7 +315,9 @@ def probe_table(out: Path, part: Part, learning: dict[str, dict[str, list[float]
         f"rollouts of the same {first['prompts']} prompts x {first['samples']} samples, at the policy of "
         f"the RLOO run (seed {part.probe.get('seed', 0)}) after that many RL steps [95% bootstrap "
         f"interval]; every estimator with the run's loss aggregation ({first['loss_agg']}). Rollout "
-        f"accuracy of the probed policies: {accuracy}. `batch_mean`: REINFORCE with the batch's mean "
+        f"accuracy of the probed policies: {accuracy}. The shifted column adds a constant to every reward "
+        "first: baselines that subtract a mean of rewards are unmoved by it; REINFORCE is not. "
+        "`batch_mean`: REINFORCE with the batch's mean "
         f"reward as its baseline. Beside it, how the same estimator learned in the {beside} part (mean "
         "± 95% interval over its seeds).",
     ]
