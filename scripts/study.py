@@ -108,11 +108,11 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _samples_per_step(overrides: list[str], seed: int) -> tuple[int, int]:
-    """(prompts per step, samples per step) of a setting."""
+def _samples_per_step(overrides: list[str], seed: int) -> tuple[int, int, float | None]:
+    """(prompts per step, samples per step, the gradient-norm clip) of a setting."""
     config = resolved(overrides, seed)
     b = int(config["rl.prompts_per_step"])
-    return b, b * int(config["rl.samples_per_prompt"])
+    return b, b * int(config["rl.samples_per_prompt"]), config["loss.max_grad_norm"]
 
 
 if __name__ == "__main__":

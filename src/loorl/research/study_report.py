@@ -280,6 +280,34 @@ def write_json(path: Path, data) -> None:
     path.write_text(json.dumps(data, indent=1, default=float))
 
 
+def grad_norm_table(part: Part, jobs, clip: dict) -> list[str]:
+    """Per setting: the gradient norm before clipping (`train/grad_norm`) over every step of every seed,
+    and the share of steps it was clipped (above `loss.max_grad_norm`)."""
+    lines = [
+        "| setting | grad norm: median | min | max | steps clipped (loss.max_grad_norm) |",
+        "|" + " --- |" * 5,
+    ]
+    for setting in part.settings:
+        norms = [v for job in jobs[setting.label].values() for _, v in job.history.get("train/grad_norm", [])]
+        if not norms:
+            continue
+        limit = clip[setting.label]
+        share = (
+            "never clipped"
+            if limit is None
+            else f"{100 * np.mean(np.array(norms) > limit):.0f}% (at {limit:g})"
+        )
+        lines.append(
+            f"| {setting.label} | {np.median(norms):.3g} | {min(norms):.3g} | {max(norms):.3g} | {share} |"
+        )
+    return lines + [
+        "",
+        "The gradient's norm before clipping, over every RL step of every seed. Adam is blind to a "
+        "constant scale of the gradient but not to clipping: a setting clipped at every step feeds Adam "
+        "gradients of one norm, one never clipped feeds them in the proportions they come in.",
+    ]
+
+
 # ---- the report --------------------------------------------------------------------------------------
 def probe_table(out: Path, part: Part, learning: dict[str, dict[str, list[float]]]) -> tuple[list[str], dict]:
     """Each estimator's relative gradient variance at each probed step, beside how it learned in the
@@ -393,6 +421,8 @@ def write_study_report(
         plot_accuracy(part, jobs, samples, report_dir / f"{part.name}_accuracy.png")
         payload = {"settings": data, "comparisons": records}
         learning[part.name] = data
+        clip = {label: info[2] for label, info in per_step[part.name].items()}
+        text += [*grad_norm_table(part, jobs, clip), ""]
         if part.lengths:
             lengths = length_data(part, jobs)
             text += ["", *length_table(part, lengths), "", f"![lengths]({images}/{part.name}_length.png)", ""]
