@@ -222,6 +222,8 @@ def test_the_study_runs_every_setting_and_seed_paired(quick_study):
         digests[setting, metrics.parent.name] = history["rollout/prompt_digest"]
         assert "rollout/completion_len_wrong" in history or "rollout/completion_len_correct" in history
     assert digests["rloo", "seed0"] == digests["grpo", "seed0"] != digests["rloo", "seed1"]
+    # checkpoint_every=0 keeps no checkpoint (Lightning's own ModelCheckpoint wrote one at every step)
+    assert not [p for r in runs for p in r.parent.rglob("*.ckpt")]
 
 
 def test_the_report_is_written_from_the_runs(quick_study):

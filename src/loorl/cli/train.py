@@ -175,6 +175,10 @@ def train_job(cfg: DictConfig) -> dict[str, float]:
         callbacks=callbacks,
         precision=trainer_precision(cfg),
         enable_progress_bar=progress_bar,
+        # checkpoint_every=0 means none: else Lightning adds its own ModelCheckpoint, which wrote the whole
+        # state into <run>/csv/checkpoints/ at every RL step (1.6 GB a step for SmolLM2). A stop
+        # (Ctrl-C, SIGTERM) still saves last.ckpt: that is trainer.save_checkpoint, not a callback
+        enable_checkpointing=bool(s.run.checkpoint_every),
         plugins=[AtomicCheckpointIO(), *slurm_environment()],
     )
     note_determinism(trainer, cfg, resuming=resume is not None)
