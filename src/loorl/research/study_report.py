@@ -358,7 +358,12 @@ def headline(part: Part, data: dict, records: list[dict]) -> list[str]:
     ranked = sorted(
         ((mean_ci(v["auc"]), label) for label, v in data.items() if v), key=lambda item: -item[0][0]
     )
-    n = max((sum(not math.isnan(x) for x in v["auc"]) for v in data.values() if v), default=0)
+    counts = [sum(not math.isnan(x) for x in v["auc"]) for v in data.values() if v]
+    n = (
+        f"{min(counts)}-{max(counts)}"
+        if counts and min(counts) != max(counts)
+        else str(max(counts, default=0))
+    )
     lines = [
         f"- **{part.title}**, by held-out accuracy AUC (points, mean ± 95% CI over {n} seeds): "
         + ", ".join(f"{label} {_pts(*ci)}" for ci, label in ranked)
