@@ -101,6 +101,17 @@ def test_a_key_may_move_with_the_seed_only_to_the_seeds_value(tmp_path, monkeypa
         check_part(load_study(name).parts[0], echo=lambda _: None)
 
 
+def test_the_command_lines_overrides_reach_every_setting_and_its_runs_folder():
+    plain, steps1 = (
+        load_study("quick", only=["estimators"], extra=extra).parts[0] for extra in ([], ["rl.steps=1"])
+    )
+    for part in (plain, steps1):
+        check_part(part, echo=lambda _: None)
+    for a, b in zip(plain.settings, steps1.settings):
+        assert b.overrides == a.overrides + ["rl.steps=1"]  # last: it wins over the part's rl.steps=2
+        assert (a.steps, b.steps) == (2, 1) and a.digest != b.digest
+
+
 @pytest.mark.parametrize(
     "parts, message",
     [
@@ -202,8 +213,9 @@ def test_the_pairing_check_on_histories():
 @pytest.fixture(scope="module")
 def quick_study(model_cache, tmp_path_factory):
     out = tmp_path_factory.mktemp("study")
+    # overrides for every run, checked to arrive: rl.steps=1 wins over the file's rl.steps=2
     command = STUDY + ["quick", "--out", str(out / "runs"), "--report-dir", str(out / "report"),
-                       f"model.cache_dir={model_cache}", "logger=csv"]  # fmt: skip
+                       f"model.cache_dir={model_cache}", "rl.steps=1"]  # fmt: skip
     # the default suite runs the estimators part; the probe part's test (slow) runs both
     done = subprocess.run(
         command + ["--only", "estimators"], capture_output=True, text=True, timeout=900, cwd=ROOT
@@ -212,7 +224,7 @@ def quick_study(model_cache, tmp_path_factory):
     return out, command, done.stdout
 
 
-def test_the_study_runs_every_setting_and_seed_paired(quick_study):
+def test_the_study_runs_every_setting_and_seed_paired(quick_study, model_cache):
     out, _, stdout = quick_study
     assert "[estimators] 0 runs finished before, 4 to run" in stdout
     runs = sorted((out / "runs" / "runs").glob("*/seed*/metrics.json"))
@@ -225,6 +237,10 @@ def test_the_study_runs_every_setting_and_seed_paired(quick_study):
         digests[setting, metrics.parent.name] = history["rollout/prompt_digest"]
         assert "rollout/completion_len_wrong" in history or "rollout/completion_len_correct" in history
     assert digests["rloo", "seed0"] == digests["grpo", "seed0"] != digests["rloo", "seed1"]
+    for metrics in runs:  # the command line's overrides reached every run's resolved config
+        config = yaml.safe_load((metrics.parent / "config.yaml").read_text())
+        assert config["rl"]["steps"] == 1 and config["model"]["cache_dir"] == str(model_cache)
+        assert json.loads(metrics.read_text())["summary"]["rl_steps"] == 1
     # checkpoint_every=0 keeps no checkpoint (Lightning's own ModelCheckpoint wrote one at every step)
     assert not [p for r in runs for p in r.parent.rglob("*.ckpt")]
 
@@ -253,10 +269,12 @@ def test_the_report_is_written_from_the_runs(quick_study):
 @pytest.mark.slow  # a run with checkpoints and two probes, about 40 s more
 def test_the_probe_part_probes_the_policy_before_rl_and_at_each_checkpoint(quick_study):
     out, command, _ = quick_study
+    command = [a for a in command if a != "rl.steps=1"] + ["rl.steps=2"]  # checkpoints every 2 steps
     done = subprocess.run(command + ["--only", "estimators", "variance"], capture_output=True, text=True,
                           timeout=900, cwd=ROOT)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     stdout = done.stdout
+    assert "[estimators] 0 runs finished before, 4 to run" in stdout  # other overrides: other runs
     assert "[variance] probe at step 0:" in stdout and "--policy" in stdout.split("probe at step 2:")[1]
     for step in (0, 2):
         results = json.loads(
@@ -273,13 +291,13 @@ def test_a_rerun_runs_only_what_is_missing(quick_study):
     out, command, _ = quick_study
     lost = next(p for p in (out / "runs" / "runs").glob("*/seed1/metrics.json") if "-" not in p.parts[-3])
     stopped = json.loads(lost.read_text())
-    stopped["summary"]["rl_steps"] = 1  # as a run stopped after one step writes it (and its last.ckpt)
+    stopped["summary"]["rl_steps"] = 0  # as a run stopped before its one step writes it
     lost.write_text(json.dumps(stopped))
     again = subprocess.run(
         command + ["--only", "estimators"], capture_output=True, text=True, timeout=600, cwd=ROOT
     )
     assert again.returncode == 0 and "[estimators] 3 runs finished before, 1 to run" in again.stdout
-    assert json.loads(lost.read_text())["summary"]["rl_steps"] == 2
+    assert json.loads(lost.read_text())["summary"]["rl_steps"] == 1
 
 
 def test_the_plan_prints_the_differences_and_bad_arguments_are_one_line():

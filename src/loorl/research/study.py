@@ -45,7 +45,7 @@ PROBE_KEYS = {"seed", "every", "args", "beside"}
 @dataclass
 class Setting:
     label: str
-    overrides: list[str]  # the part's shared overrides, then the setting's own
+    overrides: list[str]  # the part's shared overrides, the setting's own, then the command line's
     digest: str = ""  # of its resolved config without RUN_KEYS and the seed: its runs' folder
     steps: int = 0  # its rl.steps: a run is finished when it has done them all
 
@@ -102,15 +102,15 @@ def load_study(
 
 def _part(study: str, name: str, spec: dict, max_seeds: int | None, extra: list[str]) -> Part:
     where = f"conf/study/{study}.yaml parts.{name}"
-    extra = sorted(set(spec) - PART_KEYS)
-    if extra:
-        raise ConfigError(f"{where}: unknown key {extra[0]!r}; the keys are {', '.join(sorted(PART_KEYS))}")
+    unknown = sorted(set(spec) - PART_KEYS)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; the keys are {', '.join(sorted(PART_KEYS))}")
     kind = spec.get("kind", "train")
     if kind not in ("train", "probe"):
         raise ConfigError(f"{where}.kind={kind!r}: choose train or probe")
-    shared = [str(o) for o in spec.get("overrides") or []] + extra
-    settings = [
-        Setting(str(label), shared + [str(o) for o in own or []])
+    shared = [str(o) for o in spec.get("overrides") or []]
+    settings = [  # the command line's overrides last: they win over the file's, as on train.py's
+        Setting(str(label), shared + [str(o) for o in own or []] + extra)
         for label, own in (spec.get("settings") or {}).items()
     ]
     if not settings:
@@ -130,8 +130,8 @@ def _part(study: str, name: str, spec: dict, max_seeds: int | None, extra: list[
                 raise ConfigError(f"{where}: compares {label!r}, which is not one of its settings: {labels}")
     probe = dict(spec.get("probe") or {})
     if kind == "probe":
-        extra = sorted(set(probe) - PROBE_KEYS)
-        if extra or "every" not in probe:
+        unknown = sorted(set(probe) - PROBE_KEYS)
+        if unknown or "every" not in probe:
             raise ConfigError(f"{where}.probe: keys {', '.join(sorted(PROBE_KEYS))} (every is required)")
     return Part(name, spec.get("title", name), kind, seeds, settings, list(spec.get("may_differ") or []),
                 comparisons, probe, bool(spec.get("lengths", False)))  # fmt: skip
