@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -50,21 +52,40 @@ def test_bootstrap_interval_brackets_the_estimate_and_narrows_with_more_repeats(
 
 
 # ---- the probe on a real policy ------------------------------------------------------------------
+def test_the_probe_hands_every_estimator_the_trainers_input_and_takes_a_plug_in():
+    from loorl.algo.estimators import AdvantageInput, compute_advantages
+    from loorl.research.probe import advantage_fns
+    from loorl.settings import EstimatorSettings
+
+    plug_in = EstimatorSettings(target="plugins.research.length_normalised_rloo")
+    fns = advantage_fns(plug_in)
+    assert set(fns) == {"rloo", "grpo", "dr_grpo", "reinforce", "reinforce_pp", "reinforce_pp_baseline",
+                        "length_normalised_rloo", "batch_mean"}  # fmt: skip
+    rewards, lengths = (
+        torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0]),
+        torch.tensor([2.0, 4.0, 1.0, 3.0, 5.0, 2.0]),
+    )
+    inp = AdvantageInput.of_samples(rewards, lengths, 3)  # [2, 3], as the trainer builds it
+    # by hand: r / L = [0.5, 0, 1] and [1/3, 0, 0]; minus the mean of the two siblings
+    expected = torch.tensor([[0.5 - 0.5, 0 - 0.75, 1 - 0.25], [1 / 3, -1 / 6, -1 / 6]])
+    torch.testing.assert_close(fns["length_normalised_rloo"](inp), expected)
+    torch.testing.assert_close(fns["rloo"](inp), compute_advantages("rloo", rewards.view(2, 3)))
+    torch.testing.assert_close(fns["batch_mean"](inp), rewards.view(2, 3) - 0.5)
+    shadowing = EstimatorSettings(target="loorl.algo.estimators.rloo")  # a plug-in named as a registered one
+    assert "rloo (_target_)" in advantage_fns(shadowing)
+
+
 def test_probe_shift_invariance_on_the_quick_model(model_cache, tmp_path):
     """Baselines that subtract a group or batch mean give the same gradients when every reward moves by
-    a constant; REINFORCE without one does not. Measured on real rollouts of the quick tiny model."""
-    import importlib.util
-    import json
-    from pathlib import Path
+    a constant; REINFORCE without one does not. Measured on real rollouts of the quick tiny model, with a
+    plug-in estimator (`estimator._target_`) probed beside the registered ones."""
+    from loorl.research.probe import ProbeOptions, probe
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "grad_variance.py"
-    spec = importlib.util.spec_from_file_location("grad_variance_script", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    args = ["--prompts", "8", "--samples", "4", "--repeats", "4", "--bootstrap", "50", "--out", str(tmp_path),
-            "debug=quick", f"model.cache_dir={model_cache}"]  # fmt: skip
-    assert script.main(args) == 0
-    results = json.loads((tmp_path / "results.json").read_text())
+    options = ProbeOptions(prompts=8, samples=4, repeats=4, bootstrap=50)
+    overrides = ["debug=quick", f"model.cache_dir={model_cache}",
+                 "estimator._target_=plugins.research.length_normalised_rloo"]  # fmt: skip
+    results = probe(options, overrides, tmp_path, progress=False)
+    assert json.loads((tmp_path / "results.json").read_text()) == results
     value = {(r["estimator"], r["shift"]): r["relative_variance"] for r in results["rows"]}
     names = {r["estimator"] for r in results["rows"]}
     assert names == {
@@ -74,12 +95,24 @@ def test_probe_shift_invariance_on_the_quick_model(model_cache, tmp_path):
         "reinforce",
         "reinforce_pp",
         "reinforce_pp_baseline",
+        "length_normalised_rloo",
         "batch_mean",
     }
-    for name in names - {"reinforce"}:
+    for name in names - {"reinforce", "length_normalised_rloo"}:  # (r + c) / L is not r / L + const
         assert value[(name, 1.0)] == pytest.approx(value[(name, 0.0)], rel=1e-3), name
     assert value[("reinforce", 1.0)] > 1.5 * value[("reinforce", 0.0)]  # the shift adds pure noise
+    assert 0 < value[("length_normalised_rloo", 0.0)] < float("inf")
     for row in results["rows"]:
         low, high = row["ci95"]
         assert low <= row["relative_variance"] * 1.5 and high >= row["relative_variance"] / 1.5 and low < high
     assert "| rloo |" in (tmp_path / "table.md").read_text()
+
+
+def test_the_probes_command_line_checks_its_options_in_one_line(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "grad_variance.py"
+    done = subprocess.run([sys.executable, str(script), "--samples", "1"], capture_output=True, text=True)
+    assert done.returncode == 2 and "--samples must be at least 2" in done.stderr.splitlines()[-1]

@@ -122,6 +122,14 @@ def test_the_command_lines_overrides_reach_every_setting_and_its_runs_folder():
         ({"p": {"settings": {"a": []}, "kind": "sweep"}}, "kind='sweep': choose train or probe"),
         ({"p": {"settings": {"a": []}, "kind": "probe"}}, "every is required"),
         ({"p": {"settings": {"a": []}, "seeds": 0}}, "seeds=0: at least 1"),
+        (
+            {"p": {"settings": {"a": []}, "kind": "probe", "probe": {"every": 1, "args": ["--samples", 1]}}},
+            r"probe.args: --samples must be at least 2",
+        ),
+        (
+            {"p": {"settings": {"a": []}, "kind": "probe", "probe": {"every": 1, "args": ["--nope", 1]}}},
+            r"probe.args \['--nope', '1'\] should be pairs such as \[--prompts, 32\]; the options: --prompts",
+        ),
     ],
 )
 def test_bad_study_files_are_one_line(tmp_path, monkeypatch, parts, message):

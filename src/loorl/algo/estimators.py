@@ -35,6 +35,16 @@ class AdvantageInput:
     def of(cls, value: AdvantageInput | torch.Tensor) -> AdvantageInput:
         return value if isinstance(value, AdvantageInput) else cls(rewards=value)
 
+    @classmethod
+    def of_samples(cls, rewards: torch.Tensor, lengths: torch.Tensor, k: int) -> AdvantageInput:
+        """The input of a rollout's N = B*K samples in group order (rewards [N], lengths [N]: the
+        completion tokens in the loss), one prompt per group: what the trainer hands an estimator."""
+        return cls(
+            rewards=rewards.view(-1, k),  # [B, K]
+            lengths=lengths.view(-1, k),  # [B, K]
+            group_ids=torch.arange(len(rewards) // k, device=rewards.device),  # [B] one prompt per group
+        )
+
 
 Estimator = Callable[..., torch.Tensor]  # fn(AdvantageInput | rewards [B, K], *, whiten, eps) -> [B, K]
 

@@ -17,6 +17,7 @@ import shlex
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +25,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from loorl.config import CONF_DIR, ConfigError, compose_config
+from loorl.research.probe import ProbeOptions, probe, read_results
 
 STUDY_DIR = CONF_DIR / "study"
 RUN_KEYS = ("output_dir", "resume_from")  # where a run writes and how it restarts: not what it computes
@@ -128,13 +130,19 @@ def _part(study: str, name: str, spec: dict, max_seeds: int | None, extra: list[
         for label in (a, b):
             if label not in labels:
                 raise ConfigError(f"{where}: compares {label!r}, which is not one of its settings: {labels}")
-    probe = dict(spec.get("probe") or {})
+    probe_spec = dict(spec.get("probe") or {})
     if kind == "probe":
-        unknown = sorted(set(probe) - PROBE_KEYS)
-        if unknown or "every" not in probe:
+        unknown = sorted(set(probe_spec) - PROBE_KEYS)
+        if unknown or "every" not in probe_spec:
             raise ConfigError(f"{where}.probe: keys {', '.join(sorted(PROBE_KEYS))} (every is required)")
-    return Part(name, spec.get("title", name), kind, seeds, settings, list(spec.get("may_differ") or []),
-                comparisons, probe, bool(spec.get("lengths", False)))  # fmt: skip
+    part = Part(name, spec.get("title", name), kind, seeds, settings, list(spec.get("may_differ") or []),
+                comparisons, probe_spec, bool(spec.get("lengths", False)))  # fmt: skip
+    if kind == "probe":
+        try:
+            probe_options(part, None).check()
+        except ValueError as error:
+            raise ConfigError(f"{where}.probe.args: {error}") from None
+    return part
 
 
 # ---- the resolved configs and their differences -------------------------------------------------------
@@ -280,9 +288,31 @@ def checkpoints_by_step(folder: Path) -> dict[int, Path]:
     return dict(sorted(found.items()))
 
 
+def probe_options(part: Part, policy: Path | None) -> ProbeOptions:
+    """The probe's options of a probe part (`probe.args`, as `scripts/grad_variance.py` takes them) at
+    `policy` (None: the policy before RL)."""
+    args, names = [str(a) for a in part.probe.get("args", [])], ProbeOptions.__dataclass_fields__
+    given = dict(zip(args[::2], args[1::2]))
+    bad = [a for a in given if not a.startswith("--") or a[2:] not in names or a == "--policy"]
+    if bad or len(args) % 2:
+        raise ConfigError(
+            f"study part {part.name}: probe.args {args} should be pairs such as [--prompts, 32]; the "
+            f"options: {', '.join('--' + n for n in names if n != 'policy')}"
+        )
+    kinds = {"prompts": int, "samples": int, "repeats": int, "bootstrap": int, "shift": float}
+    return ProbeOptions(policy=None if policy is None else str(policy),
+                        **{a[2:]: kinds[a[2:]](v) for a, v in given.items()})  # fmt: skip
+
+
+def probe_folder(out: Path, part: Part, step: int) -> Path:
+    """Where the probe of the policy after `step` RL steps writes its results."""
+    return out / "probe" / part.name / f"step{step}"
+
+
 def run_probe(out: Path, part: Part, *, echo=print) -> list[Path]:
-    """Train the part's setting with a checkpoint every `probe.every` steps (all kept), then run
-    `scripts/grad_variance.py` on the policy before RL and at each checkpoint. Returns what failed."""
+    """Train the part's setting with a checkpoint every `probe.every` steps (all kept), then run the
+    gradient-variance probe (`loorl.research.probe`) on the policy before RL and at each checkpoint.
+    Returns what failed (a failed probe's traceback is in its folder's study.log)."""
     setting, seed = part.settings[0], int(part.probe.get("seed", 0))
     folder = probe_run_dir(out, part)
     every = int(part.probe["every"])
@@ -298,24 +328,19 @@ def run_probe(out: Path, part: Part, *, echo=print) -> list[Path]:
     policies = {0: None, **checkpoints_by_step(folder)}
     failed = []
     for step, ckpt in policies.items():
-        target = out / "probe" / part.name / f"step{step}"
-        if (target / "results.json").is_file():
+        target = probe_folder(out, part, step)
+        if read_results(target) is not None:
             continue
-        command = [
-            sys.executable,
-            str(CONF_DIR.parent / "scripts" / "grad_variance.py"),
-            "--out",
-            str(target),
-        ]
-        command += ([] if ckpt is None else ["--policy", str(ckpt)]) + [
-            str(a) for a in part.probe.get("args", [])
-        ]
-        command += [*setting.overrides, f"seed={seed}"]
-        echo(f"[{part.name}] probe at step {step}: {shlex.join(command[1:])}")
+        options = probe_options(part, ckpt)
+        overrides = [*setting.overrides, f"seed={seed}"]
+        command = shlex.join(["python", "scripts/grad_variance.py", "--out", str(target),
+                              *options.arguments(), *overrides])  # fmt: skip
+        echo(f"[{part.name}] probe at step {step}: {command}")
         target.mkdir(parents=True, exist_ok=True)
-        with open(target / "study.log", "a") as log:
-            subprocess.run(command, cwd=CONF_DIR.parent, stdout=log, stderr=subprocess.STDOUT)
-        if not (target / "results.json").is_file():
+        try:
+            probe(options, overrides, target, command=command)
+        except Exception:  # noqa: BLE001 - reported and retried by the next invocation, as a failed run
+            (target / "study.log").write_text(traceback.format_exc())
             failed.append(target)
             echo(f"[{part.name}]   failed: see {target / 'study.log'}")
     return failed

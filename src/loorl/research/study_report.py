@@ -14,8 +14,9 @@ from pathlib import Path
 import numpy as np
 
 from loorl.research.ablation import Job, accuracy_auc, cost_before, first_and_last, read_jobs
+from loorl.research.probe import read_results
 from loorl.research.stats import holm, mean_ci, paired_difference
-from loorl.research.study import Part, finished, run_dir
+from loorl.research.study import Part, finished, probe_folder, run_dir
 
 LENGTH_WINDOW = 10  # steps averaged at the start and at the end of training for the length table
 
@@ -313,9 +314,9 @@ def probe_table(out: Path, part: Part, learning: dict[str, dict[str, list[float]
     """Each estimator's relative gradient variance at each probed step, beside how it learned in the
     estimators part (`learning`: label -> per-seed metrics; empty when that part has no runs)."""
     results = {}
-    for folder in sorted((out / "probe" / part.name).glob("step*"), key=lambda p: int(p.name[4:])):
-        if (folder / "results.json").is_file():
-            results[int(folder.name[4:])] = json.loads((folder / "results.json").read_text())
+    for folder in sorted(probe_folder(out, part, 0).parent.glob("step*"), key=lambda p: int(p.name[4:])):
+        if (found := read_results(folder)) is not None:
+            results[int(folder.name[4:])] = found
     if not results:
         return ["(no probe results yet)"], {}
     steps = list(results)

@@ -241,11 +241,7 @@ class PolicyGradientModule(L.LightningModule):
             self.kl_controller.update(metrics["rollout/kl"], n_steps=len(kl_seq))
             batch = replace(batch, ref_logprobs=ref)
         k = batch.samples_per_prompt
-        inputs = AdvantageInput(
-            rewards=shaped.view(-1, k),  # [W*B, K]
-            lengths=lengths.view(-1, k),  # [W*B, K]
-            group_ids=torch.arange(len(shaped) // k, device=shaped.device),  # [W*B] one prompt per group
-        )
+        inputs = AdvantageInput.of_samples(shaped, lengths, k)  # [W*B, K] every rank's groups
         advantages = self.advantage_fn(inputs, whiten=self.estimator.whiten).reshape(-1)  # [W*N]
         metrics["rollout/advantage_abs_mean"] = float(advantages.abs().mean())
         return replace(batch, advantages=advantages.view(world, -1)[rank]), metrics  # [N] this rank's
