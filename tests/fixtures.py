@@ -243,7 +243,7 @@ def assert_run_outputs(run: Path) -> None:
 
 
 def sandbox_leftovers(*, namespaced_only: bool = False) -> list[int]:
-    """Live processes of a sandbox uid whose program has ended: its lock file (`sandbox._uid_slot`) is
+    """Live processes of a sandbox uid whose program has ended: its lock file (`sandbox.uids._uid_slot`) is
     free. A uid still locked runs a program now (the other pytest-xdist worker's: code tasks, the
     Python tool), and its processes are not left behind.
 
@@ -269,5 +269,5 @@ def sandbox_leftovers(*, namespaced_only: bool = False) -> list[int]:
                     fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
                 except BlockingIOError:
                     continue  # a running program's uid
-            found += [pid for pid in sandbox._uid_processes(uid) if counted(pid)]
+            found += [pid for pid in sandbox.uids._uid_processes(uid) if counted(pid)]
     return found

@@ -197,7 +197,7 @@ def test_a_launcher_that_does_not_answer_is_killed_and_nothing_of_its_program_ou
     """A launcher told to end its namespace (SIGTERM) returns once the namespace is empty. One that
     does not answer (stopped here) is killed after LAUNCHER_GRACE_S, and its init dies after it
     (`PR_SET_PDEATHSIG`): `run` must not free the uid before that init and its children are gone."""
-    monkeypatch.setattr(sandbox, "LAUNCHER_GRACE_S", 0.5)
+    monkeypatch.setattr(sandbox.running, "LAUNCHER_GRACE_S", 0.5)  # where `_end` reads it
     forks = 16
     program = (
         "import os, time\n"
@@ -240,6 +240,8 @@ def test_a_sandbox_failure_is_unscorable_not_wrong(monkeypatch):
     result = sandbox.run("print(1)")
     assert (result.passed, result.status) == (None, "sandbox")
     monkeypatch.undo()
-    monkeypatch.setattr(sandbox, "interpreter_mounts", lambda **_: (["/root/no-such-interpreter"], ["/root"]))
+    monkeypatch.setattr(  # where `_launch` looks it up
+        sandbox.running, "interpreter_mounts", lambda **_: (["/root/no-such-interpreter"], ["/root"])
+    )
     result = sandbox.run("print(1)")
     assert (result.passed, result.status) == (None, "sandbox") and "setup failed" in result.stderr

@@ -203,9 +203,11 @@ def test_a_non_root_caller_gets_namespaces_or_says_it_has_none(tmp_path):
     home = Path(tempfile.mkdtemp(prefix="loorl-nonroot-", dir=outside))
     try:
         os.chmod(home, 0o755)
-        shutil.copy(
-            sandbox.__file__, home / "standalone_sandbox.py"
-        )  # the module alone: standard library only
+        shutil.copytree(  # the package alone: standard library only
+            Path(sandbox.__file__).parent,
+            home / "standalone_sandbox",
+            ignore=shutil.ignore_patterns("__pycache__"),
+        )
         canary = home / "canary.txt"
         canary.write_text("keep")
         os.chown(canary, nobody, nobody)  # the caller's own file
