@@ -1,0 +1,112 @@
+"""The config schema: one frozen dataclass per YAML section, typed, with its own rules.
+
+`Settings.from_cfg(cfg.section, "section")` builds one from the composed Hydra config (values from
+other sections arrive by interpolation, e.g. `loss.max_len: ${rollout.max_new_tokens}`). Types,
+`Literal` choices and bounds are checked by pydantic; rules within a section live in
+`__post_init__`; rules that span sections live in `loorl.config.check_config`. Every failure is a
+`ConfigError` of one line that names the setting (`error: rl.steps='abc': ...`).
+"""
+
+from loorl.settings.base import (
+    AGGREGATIONS,
+    DTYPES,
+    ENGINES,
+    IS_MODES,
+    KL_ESTIMATORS,
+    RATIO_LEVELS,
+    SCHEMA,
+    TRUNCATED_MODES,
+    Dtype,
+    Engine,
+    Fraction,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Section,
+    TruncatedMode,
+    UnitInterval,
+)
+from loorl.settings.model import (
+    LORA_DEFAULT_TARGETS,
+    GGUFSettings,
+    LoraSettings,
+    ModelSettings,
+    RecipeSettings,
+    TinyModelSettings,
+    WarmStartSettings,
+)
+from loorl.settings.sampling import (
+    TOOL_INSERTS,
+    EnvironmentSettings,
+    RolloutSettings,
+    ToolInsert,
+    ToolsSettings,
+    completion_budget,
+)
+from loorl.settings.scoring import (
+    EvalSettings,
+    EvalSplit,
+    OverlongSettings,
+    RewardFunctionSettings,
+    RewardSettings,
+)
+from loorl.settings.training import (
+    SCHEDULES,
+    DynamicSamplingSettings,
+    EstimatorSettings,
+    KLSettings,
+    LossSettings,
+    LRScheduleSettings,
+    RLSettings,
+    RunSettings,
+    ScheduleName,
+)
+
+__all__ = [
+    "AGGREGATIONS",
+    "DTYPES",
+    "ENGINES",
+    "IS_MODES",
+    "KL_ESTIMATORS",
+    "LORA_DEFAULT_TARGETS",
+    "RATIO_LEVELS",
+    "SCHEDULES",
+    "SCHEMA",
+    "TOOL_INSERTS",
+    "TRUNCATED_MODES",
+    "Dtype",
+    "DynamicSamplingSettings",
+    "Engine",
+    "EnvironmentSettings",
+    "EstimatorSettings",
+    "EvalSettings",
+    "EvalSplit",
+    "Fraction",
+    "GGUFSettings",
+    "KLSettings",
+    "LRScheduleSettings",
+    "LoraSettings",
+    "LossSettings",
+    "ModelSettings",
+    "NonNegativeFloat",
+    "NonNegativeInt",
+    "OverlongSettings",
+    "PositiveFloat",
+    "PositiveInt",
+    "RLSettings",
+    "RecipeSettings",
+    "RewardFunctionSettings",
+    "RewardSettings",
+    "RolloutSettings",
+    "RunSettings",
+    "ScheduleName",
+    "Section",
+    "TinyModelSettings",
+    "ToolInsert",
+    "ToolsSettings",
+    "TruncatedMode",
+    "UnitInterval",
+    "WarmStartSettings",
+    "completion_budget",
+]

@@ -1,0 +1,195 @@
+"""The sections of the learner: `run` (the top-level keys), `rl`, `estimator`, `loss`, `lr_schedule`
+and `kl`."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, get_args
+
+from pydantic import Field
+from pydantic.dataclasses import dataclass
+
+from loorl.algo import estimators
+from loorl.algo.kl import KLEstimator, check_kl_placement
+from loorl.algo.objectives import Aggregation, ISMode, RatioLevel, token_loss_of
+from loorl.errors import ConfigError
+from loorl.settings.base import (
+    SCHEMA,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    Section,
+    UnitInterval,
+)
+from loorl.util.plugins import import_object
+
+
+@dataclass(frozen=True, config=SCHEMA)
+class RunSettings(Section):
+    """The top-level keys of train.yaml."""
+
+    seed: int = 0  # seeds Python, NumPy, torch and the prompt stream (0 is a real seed)
+    resume_from: str | None = None  # a checkpoint path, "auto" (the newest under output_dir) or None
+    val_every: PositiveInt = 10
+    val_pass_k: NonNegativeInt = 4  # 0: off
+    sample_rows: Annotated[int, Field(ge=-1)] = 8  # completions per validation in samples.csv; -1: all
+    checkpoint_every: NonNegativeInt = 50  # 0: off
+    checkpoint_keep: Annotated[int, Field(ge=-1)] = 2  # the newest periodic checkpoints kept; -1: all
+    export_policy: bool = True
+    # glibc keeps freed memory for reuse (loorl.util.allocator); auto: only when training on the CPU
+    keep_freed_memory: Literal["auto", True, False] = "auto"
+    trim_freed_memory_every: NonNegativeInt = 5  # RL steps between handing kept memory back; 0: never
+    # float32 matrix products on CUDA (torch.set_float32_matmul_precision); high/medium: tensor cores
+    float32_matmul_precision: Literal["highest", "high", "medium"] = "highest"
+
+
+@dataclass(frozen=True, config=SCHEMA)
+class DynamicSamplingSettings(Section):
+    """`rl.dynamic_sampling`: DAPO's dynamic sampling with whole groups (`loorl.rollout.dynamic_sampling`)."""
+
+    enabled: bool = False  # groups without a reward spread are set aside and more prompts are sampled
+    max_rounds: int = 3  # sampling rounds per step at most, the first included
+
+    def __post_init__(self) -> None:
+        if self.max_rounds < 1:
+            raise ConfigError(
+                f"rl.dynamic_sampling.max_rounds={self.max_rounds}: a step samples at least once; set it to "
+                "1 or more (1: no further rounds; 3-5 is usual)"
+            )
+
+
+@dataclass(frozen=True, config=SCHEMA)
+class RLSettings(Section):
+    """`rl`: the shape of one RL iteration."""
+
+    steps: PositiveInt = 150
+    prompts_per_step: PositiveInt = 32  # B
+    samples_per_prompt: PositiveInt = 8  # K
+    prompts_per_minibatch: PositiveInt = 32  # whole groups per optimizer step
+    prompts_per_microbatch: PositiveInt = 32  # whole groups per forward/backward (and no-grad pass)
+    epochs_per_rollout: PositiveInt = 1
+    share_prompt: bool = True  # each group's prompt runs once in generation and training passes
+    skip_zero_advantage: bool = True  # groups whose advantages are all 0 skip the training passes
+    microbatch_tokens: PositiveInt | None = None  # packed micro-batches of at most this many real tokens
+    logprob_chunk_tokens: PositiveInt = 512  # token positions per chunk of output-layer logits
+    dynamic_sampling: DynamicSamplingSettings = DynamicSamplingSettings()  # off: one round per step
+
+    def __post_init__(self) -> None:
+        if self.prompts_per_step % self.prompts_per_minibatch:
+            raise ConfigError(
+                f"rl.prompts_per_step={self.prompts_per_step} is not divisible by rl.prompts_per_minibatch="
+                f"{self.prompts_per_minibatch}: mini-batches hold whole groups, pick a divisor"
+            )
+
+    @property
+    def steps_per_rollout(self) -> int:
+        """Optimizer steps per rollout; more than one makes the importance ratio differ from 1."""
+        return self.epochs_per_rollout * self.prompts_per_step // self.prompts_per_minibatch
+
+
+@dataclass(frozen=True, config=SCHEMA)
+class EstimatorSettings(Section):
+    """`estimator`: the advantage estimator, a name registered in `loorl.algo.estimators`, or a
+    function anywhere named by `estimator._target_` (which then wins over the name)."""
+
+    name: str = "rloo"
+    whiten: bool = False
+    target: str | None = None  # `_target_` in YAML: a dotted path to an estimator function
+
+    def __post_init__(self) -> None:
+        if self.target is not None:
+            import_object(self.target, "estimator._target_")  # one line now, not after the model loads
+        elif self.name not in estimators.names():
+            raise ConfigError(
+                f"unknown estimator '{self.name}' (estimator.name); choose one of: "
+                + ", ".join(estimators.names())
+                + " (or estimator._target_=<module.function> for your own)"
+            )
+
+    @property
+    def label(self) -> str:
+        """What run titles and tables call it: the name, or the function's name for a `_target_`."""
+        return self.name if self.target is None else self.target.rpartition(".")[2]
+
+    @property
+    def function(self) -> estimators.Estimator:
+        return estimators.resolve(self.name, self.target)
+
+
+@dataclass(frozen=True, config=SCHEMA)
+class LossSettings(Section):
+    """`loss`: the policy loss and its aggregation. The losses take it as `loorl.algo.objectives.LossParams`
+    (what they read of it, typed in their own layer), which it satisfies as it is."""
+
+    name: str = "auto"  # the per-token loss, registered in loorl.algo.objectives
+    target: str | None = None  # `_target_` in YAML: a dotted path to your own per-token loss (wins)
+    agg: Aggregation = "seq-mean-token-sum"
+    clip_low: NonNegativeFloat = 0.2
+    clip_high: NonNegativeFloat = 0.2
+    ratio_level: RatioLevel = "token"
+    max_grad_norm: PositiveFloat | None = 1.0  # None: no clipping
+    tis_cap: PositiveFloat | None = None  # truncated importance-sampling cap; None: off
+    is_mode: ISMode = "truncate"  # truncate (tis_cap) | token_mask | sequence_mask (loorl.algo.objectives)
+    is_low: NonNegativeFloat = 0.5  # the masks: a token (sequence) whose sampler ratio is below this, or
+    is_high: PositiveFloat = 2.0  # above this, carries no loss
+    max_len: PositiveInt = 16  # seq-mean-token-sum-norm's constant (the generation limit)
+
+    def __post_init__(self) -> None:
+        token_loss_of(self.name, self.target)  # an unknown name or a bad `_target_`: one line now
+        if self.is_mode != "truncate" and self.is_low >= self.is_high:
+            raise ConfigError(
+                f"loss.is_low={self.is_low} >= loss.is_high={self.is_high} with loss.is_mode={self.is_mode}: "
+                "every token would be masked; set is_low below is_high (e.g. 0.5 and 2.0)"
+            )
+        if self.is_mode != "truncate" and self.tis_cap is not None:
+            raise ConfigError(
+                f"loss.is_mode={self.is_mode} with loss.tis_cap={self.tis_cap}: the mask replaces truncated "
+                "importance weights, it does not add to them; set loss.tis_cap=null, or loss.is_mode=truncate"
+            )
+        if self.ratio_level == "sequence" and self.agg != "seq-mean-token-mean":
+            raise ConfigError(
+                f"loss.ratio_level=sequence (GSPO) with loss.agg={self.agg}: GSPO's sequence ratio averages "
+                "each sequence's tokens; set loss.agg=seq-mean-token-mean, or use experiment=gspo"
+            )
+
+
+ScheduleName = Literal["constant", "linear", "cosine"]
+SCHEDULES = get_args(ScheduleName)
+
+
+@dataclass(frozen=True, config=SCHEMA)
+class LRScheduleSettings(Section):
+    """`lr_schedule`: the learning rate over the run's optimizer steps (`training.module.lr_scheduler`)."""
+
+    name: ScheduleName = "constant"  # linear and cosine decay to min_lr_ratio * lr at the last step
+    warmup_steps: NonNegativeInt = 0  # optimizer steps of linear warm-up from 0
+    min_lr_ratio: UnitInterval = 0.0  # the floor of linear and cosine decay
+
+    def __post_init__(self) -> None:
+        if self.name == "constant" and self.min_lr_ratio:
+            raise ConfigError(
+                f"lr_schedule.min_lr_ratio={self.min_lr_ratio} with lr_schedule.name=constant: there is no "
+                "decay to floor; set lr_schedule.name=linear or cosine, or drop min_lr_ratio"
+            )
+
+
+@dataclass(frozen=True, config=SCHEMA)
+class KLSettings(Section):
+    """`kl`: the KL penalty to the reference policy."""
+
+    coef: NonNegativeFloat = 0.0  # 0 with adaptive=False: no reference model is loaded at all
+    in_reward: bool = True  # True: folded into the reward before the baseline; False: a loss term
+    estimator: KLEstimator = "k1"
+    adaptive: bool = False
+    target: PositiveFloat = 6.0
+    horizon: PositiveInt = 10000
+
+    def __post_init__(self) -> None:
+        if self.adaptive and self.coef <= 0:
+            raise ConfigError("kl.adaptive=true needs kl.coef > 0: the controller scales it, and 0 stays 0")
+        if self.needs_reference:  # only an active KL term must have a KL gradient
+            check_kl_placement(self.estimator, self.in_reward)
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.coef > 0 or self.adaptive
