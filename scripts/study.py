@@ -31,7 +31,6 @@ from loorl.config import ConfigError  # noqa: E402
 from loorl.research.study import (  # noqa: E402
     check_part,
     load_study,
-    resolved,
     run_probe,
     run_training,
     study_names,
@@ -92,7 +91,7 @@ def main(argv: list[str]) -> int:
         for part in study.parts:
             failed += run_probe(out, part) if part.kind == "probe" else run_training(out, part)
     per_step = {
-        part.name: {s.label: _samples_per_step(s.overrides, part.seeds[0]) for s in part.settings}
+        part.name: {s.label: s.samples_per_step for s in part.settings}
         for part in study.parts
         if part.kind == "train"
     }
@@ -106,13 +105,6 @@ def main(argv: list[str]) -> int:
         print("\n".join(f"  {f}" for f in failed))
         return 1
     return 0
-
-
-def _samples_per_step(overrides: list[str], seed: int) -> tuple[int, int, float | None]:
-    """(prompts per step, samples per step, the gradient-norm clip) of a setting."""
-    config = resolved(overrides, seed)
-    b = int(config["rl.prompts_per_step"])
-    return b, b * int(config["rl.samples_per_prompt"]), config["loss.max_grad_norm"]
 
 
 if __name__ == "__main__":

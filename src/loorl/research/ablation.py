@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from loorl.research.curves import aligned, band
 from loorl.research.stats import mean_ci
 
 log = logging.getLogger(__name__)
@@ -339,26 +340,12 @@ def reach_table(rows: list[dict]) -> list[str]:
 
 
 # ---- curves --------------------------------------------------------------------------------------
-def _band(ax, x: np.ndarray, ys: np.ndarray, label: str, color) -> None:
-    """Mean over seeds (rows of `ys`) with its 95% t-interval as a band."""
-    from scipy import stats
-
-    mean = ys.mean(0)
-    ax.plot(x, mean, label=label, color=color, lw=1.5)
-    if len(ys) > 1:
-        half = stats.t.ppf(0.975, len(ys) - 1) * ys.std(0, ddof=1) / math.sqrt(len(ys))
-        ax.fill_between(x, mean - half, mean + half, color=color, alpha=0.2, lw=0)
-
-
 def _aligned(jobs: list[Job], key: str) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
     """Steps every seed has, their values [seeds, steps] and, at each of those steps, the mean over
     seeds of the cumulative generated tokens and RL-step minutes (empty where a run lacks them)."""
-    common = sorted(set.intersection(*(set(j.series(key)[0].tolist()) for j in jobs)))
-    values, clocks = [], {"tokens": [], "minutes": []}
+    common, values = aligned(jobs, key)  # [steps], [seeds, steps]
+    clocks = {"tokens": [], "minutes": []}
     for job in jobs:
-        steps, v = job.series(key)
-        lookup = dict(zip(steps.tolist(), v.tolist()))
-        values.append([lookup[s] for s in common])
         for name, cum in (
             ("tokens", job.cumulative_tokens()),
             ("minutes", job.cumulative_step_seconds() / 60),
@@ -368,12 +355,8 @@ def _aligned(jobs: list[Job], key: str) -> tuple[np.ndarray, np.ndarray, dict[st
             # validation at step s saw the policy after s updates: the rollouts 0..s-1;
             # the reward of step s is that rollout's own: 0..s
             at = cost_before if key.startswith("val/") else cost_through
-            clocks[name].append([at(cum, s) for s in common])
-    return (
-        np.array(common),
-        np.array(values),
-        {k: np.array(v).mean(0) for k, v in clocks.items() if len(v) == len(jobs)},
-    )
+            clocks[name].append([at(cum, s) for s in common.tolist()])
+    return common, values, {k: np.array(v).mean(0) for k, v in clocks.items() if len(v) == len(jobs)}
 
 
 def moving_average(values: np.ndarray, window: int) -> np.ndarray:
@@ -410,10 +393,10 @@ def plot_curves(settings: list[Setting], path: Path, *, title: str) -> None:
                 window = max(1, len(steps) // 15)
                 values = moving_average(values, window)
             means[col].append(values.mean(0))
-            _band(axes[0, col], steps, values, setting.label, colors(i % 10))
+            band(axes[0, col], steps, values, setting.label, colors(i % 10))
             for row, clock in enumerate(clocks, start=1):
                 if clock in x:
-                    _band(axes[row, col], x[clock], values, setting.label, colors(i % 10))
+                    band(axes[row, col], x[clock], values, setting.label, colors(i % 10))
     names = (
         "held-out greedy accuracy",
         f"rollout reward (mean of {window} steps)" if window > 1 else "rollout reward",

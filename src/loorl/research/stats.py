@@ -14,18 +14,23 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 
+def t_half_width(sd: float | np.ndarray, n: int, *, level: float = 0.95) -> float | np.ndarray:
+    """Half-width of the two-sided Student-t confidence interval of a mean of `n` values whose sample
+    standard deviation is `sd` (elementwise for an array of them): t(0.5 + level / 2, n - 1) sd / sqrt(n)."""
+    from scipy import stats
+
+    return stats.t.ppf(0.5 + level / 2, n - 1) * sd / math.sqrt(n)
+
+
 def mean_ci(values: list[float] | np.ndarray, *, level: float = 0.95) -> tuple[float, float]:
     """(mean, half-width of the Student-t confidence interval); the half-width is NaN for n < 2.
     NaN values (a seed that never logged the metric) are left out."""
-    from scipy import stats
-
     x = np.asarray([v for v in values if not math.isnan(v)], dtype=float)
     if len(x) == 0:
         return float("nan"), float("nan")
     if len(x) < 2:
         return float(x.mean()), float("nan")
-    half = stats.t.ppf(0.5 + level / 2, len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
-    return float(x.mean()), float(half)
+    return float(x.mean()), float(t_half_width(x.std(ddof=1), len(x), level=level))
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,7 @@ def paired_difference(
     if sd == 0:
         return Paired(n, mean, mean, mean, 1.0 if mean == 0 else 0.0, wins, ties, n - wins - ties)
     se = sd / math.sqrt(n)
-    half = float(stats.t.ppf(0.5 + level / 2, n - 1)) * se
+    half = float(stats.t.ppf(0.5 + level / 2, n - 1)) * se  # t * se: se is the p-value's too
     p = float(2 * stats.t.sf(abs(mean) / se, n - 1))
     return Paired(n, mean, mean - half, mean + half, p, wins, ties, n - wins - ties)
 

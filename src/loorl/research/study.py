@@ -48,8 +48,19 @@ PROBE_KEYS = {"seed", "every", "args", "beside"}
 class Setting:
     label: str
     overrides: list[str]  # the part's shared overrides, the setting's own, then the command line's
+    config: dict = field(default_factory=dict)  # resolved at the part's first seed (`check_part`)
     digest: str = ""  # of its resolved config without RUN_KEYS and the seed: its runs' folder
-    steps: int = 0  # its rl.steps: a run is finished when it has done them all
+
+    @property
+    def steps(self) -> int:
+        """Its rl.steps: a run is finished when it has done them all."""
+        return int(self.config["rl.steps"])
+
+    @property
+    def samples_per_step(self) -> tuple[int, int, float | None]:
+        """(prompts per step, samples per step, the gradient-norm clip)."""
+        b = int(self.config["rl.prompts_per_step"])
+        return b, b * int(self.config["rl.samples_per_prompt"]), self.config["loss.max_grad_norm"]
 
 
 @dataclass
@@ -177,14 +188,13 @@ def named(key: str, may_differ: list[str]) -> bool:
 
 
 def check_part(part: Part, *, echo=print) -> None:
-    """Compose every setting (seed 0, and the first setting at a second seed), set each setting's digest,
-    print the differences and raise ConfigError at the first one the part does not name."""
+    """Compose every setting (seed 0, and the first setting at a second seed), keep each setting's
+    resolved config and digest, print the differences and raise ConfigError at the first one the part
+    does not name."""
     configs = {}
     for setting in part.settings:
-        config = resolved(setting.overrides, part.seeds[0])
-        configs[setting.label] = config
-        setting.digest = config_digest(config)
-        setting.steps = int(config["rl.steps"])
+        setting.config = configs[setting.label] = resolved(setting.overrides, part.seeds[0])
+        setting.digest = config_digest(setting.config)
     first = part.settings[0]
     echo(
         f"[{part.name}] {len(part.settings)} settings x seeds {part.seeds}; "
@@ -229,7 +239,12 @@ def finished(folder: Path, steps: int) -> bool:
     """The run in `folder` did all its `steps`. A run that was stopped writes `metrics.json` too (and
     `last.ckpt`, from which `resume_from=auto` continues it), with fewer `rl_steps`."""
     metrics = folder / "metrics.json"
-    return metrics.is_file() and json.loads(metrics.read_text())["summary"].get("rl_steps", 0) >= steps
+    return metrics.is_file() and did_all_steps(json.loads(metrics.read_text())["summary"], steps)
+
+
+def did_all_steps(summary: dict, steps: int) -> bool:
+    """A run's summary (`metrics.json`) says it did all its `steps`."""
+    return summary.get("rl_steps", 0) >= steps
 
 
 def train_command(setting: Setting, seed: int, folder: Path, extra: list[str] = ()) -> list[str]:

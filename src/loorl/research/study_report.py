@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from loorl.research.ablation import Job, accuracy_auc, cost_before, first_and_last, read_jobs
+from loorl.research.curves import aligned, band
 from loorl.research.probe import read_results
 from loorl.research.stats import holm, mean_ci, paired_difference
-from loorl.research.study import Part, finished, probe_folder, run_dir
+from loorl.research.study import Part, did_all_steps, probe_folder, run_dir
 
+STYLE = {"lw": 1.4, "alpha": 0.15}  # the study's curves: many settings on a panel, thinner than an ablation's
 LENGTH_WINDOW = 10  # steps averaged at the start and at the end of training for the length table
 
 
@@ -27,11 +30,9 @@ def part_jobs(out: Path, part: Part) -> dict[str, dict[int, Job]]:
     for setting in part.settings:
         jobs = {}
         for seed in part.seeds:
-            folder = run_dir(out, setting, seed)
-            if finished(folder, setting.steps):  # a run stopped early is not tabulated
-                job = read_jobs([folder])[0][0]
-                job.seed = seed
-                jobs[seed] = job
+            run = read_jobs([run_dir(out, setting, seed)])[0]
+            if run and did_all_steps(run[0].summary, setting.steps):  # a run stopped early is not tabulated
+                jobs[seed] = replace(run[0], seed=seed)
         found[setting.label] = jobs
     return found
 
@@ -142,28 +143,6 @@ def comparison_table(
 
 
 # ---- curves -----------------------------------------------------------------------------------------
-def _band(ax, x, ys, label, color, *, bounds=(-math.inf, math.inf)):
-    """The mean of `ys` [seeds, points] against `x`, with its 95% t-band clipped to `bounds`."""
-    from scipy import stats
-
-    mean = ys.mean(0)
-    ax.plot(x, mean, label=label, color=color, lw=1.4)
-    if len(ys) > 1:
-        half = stats.t.ppf(0.975, len(ys) - 1) * ys.std(0, ddof=1) / math.sqrt(len(ys))
-        ax.fill_between(x, *np.clip([mean - half, mean + half], *bounds), color=color, alpha=0.15, lw=0)
-
-
-def _series(jobs: list[Job], key: str) -> tuple[np.ndarray, np.ndarray]:
-    """The steps every run logged `key` at and the values there, [runs, steps]."""
-    common = sorted(set.intersection(*(set(j.series(key)[0].tolist()) for j in jobs)))
-    values = []
-    for job in jobs:
-        steps, v = job.series(key)
-        lookup = dict(zip(steps.tolist(), v.tolist()))
-        values.append([lookup[s] for s in common])
-    return np.array(common), np.array(values, dtype=float)
-
-
 def plot_accuracy(part: Part, jobs, samples_per_step: dict[str, int], path: Path) -> None:
     """Held-out accuracy against samples drawn and against RL-step minutes (all datasets), and each
     dataset's against samples drawn: the mean over seeds with its 95% band."""
@@ -184,13 +163,29 @@ def plot_accuracy(part: Part, jobs, samples_per_step: dict[str, int], path: Path
         if not runs:
             continue
         color = colors(i % 10)
-        steps, acc = _series(runs, "val/accuracy")
-        _band(axes[0], steps * samples_per_step[setting.label], acc, setting.label, color, bounds=(0, 1))
+        steps, acc = aligned(runs, "val/accuracy")
+        band(
+            axes[0],
+            steps * samples_per_step[setting.label],
+            acc,
+            setting.label,
+            color,
+            **STYLE,
+            bounds=(0, 1),
+        )
         minutes = np.array([[cost_before(j.cumulative_step_seconds(), s) / 60 for s in steps] for j in runs])
-        _band(axes[1], minutes.mean(0), acc, setting.label, color, bounds=(0, 1))
+        band(axes[1], minutes.mean(0), acc, setting.label, color, **STYLE, bounds=(0, 1))
         for k, name in enumerate(names):
-            s, a = _series(runs, f"val/accuracy/{name}")
-            _band(axes[2 + k], s * samples_per_step[setting.label], a, setting.label, color, bounds=(0, 1))
+            s, a = aligned(runs, f"val/accuracy/{name}")
+            band(
+                axes[2 + k],
+                s * samples_per_step[setting.label],
+                a,
+                setting.label,
+                color,
+                **STYLE,
+                bounds=(0, 1),
+            )
     titles = ["all datasets", "all datasets"] + names
     xlabels = ["samples drawn", "RL-step minutes (mean over seeds)"] + ["samples drawn"] * len(names)
     for ax, title, xlabel in zip(axes, titles, xlabels):
@@ -263,8 +258,8 @@ def plot_length(part: Part, jobs, path: Path) -> None:
         for ax, verdict in zip(axes, ("wrong", "correct")):
             key = f"rollout/completion_len_{verdict}"
             if runs and all(j.history.get(key) for j in runs):
-                steps, values = _series(runs, key)
-                _band(ax, steps, values, setting.label, colors(i % 10))
+                steps, values = aligned(runs, key)
+                band(ax, steps, values, setting.label, colors(i % 10), **STYLE)
     for ax, verdict in zip(axes, ("wrong", "correct")):
         ax.set_title(f"{verdict} answers", fontsize=10)
         ax.set_xlabel("RL step")
