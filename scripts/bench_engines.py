@@ -45,6 +45,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 import torch  # noqa: E402
 
 from loorl.rollout.decoding import LEAVE_AT  # noqa: E402
+from loorl.util.onednn import cap_onednn_primitive_cache  # noqa: E402
 
 WORKS = {"tiny": [], "smollm2": ["experiment=smollm2_arithmetic"]}  # recipe overrides
 PATHS = ("hf:padded", "hf:dynamic", "hf:static", "hf:compiled", "vllm")
@@ -301,6 +302,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("outputs/bench/engines.md"))
     parser.add_argument("overrides", nargs="*", help="config overrides for every work (e.g. seed=1)")
     args = parser.parse_args()
+    cap_onednn_primitive_cache()  # before this process's first bf16 product (loorl.util.onednn)
 
     from loorl.parallel.launch import configure_threads
 

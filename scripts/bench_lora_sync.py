@@ -41,6 +41,7 @@ from loorl.models.lora import apply_lora  # noqa: E402
 from loorl.models.sources import resolve_model_path  # noqa: E402
 from loorl.rollout.engine import PolicyWeights  # noqa: E402
 from loorl.rollout.hf_engine import HFEngine  # noqa: E402
+from loorl.util.onednn import cap_onednn_primitive_cache  # noqa: E402
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM's LoRAConfig accepts
 
@@ -71,6 +72,7 @@ def greedy(engine, prompts) -> list[list[int]]:
 
 def main(argv: list[str]) -> None:
     args, overrides = parse_args(argv)
+    cap_onednn_primitive_cache()  # before this process's first bf16 product (loorl.util.onednn)
     cfg = compose_config(f"output_dir={tempfile.mkdtemp(prefix='bench-lora-')}", *overrides)
     s = load_settings(cfg)
     task = build_task(s)

@@ -67,6 +67,9 @@ def main() -> None:
     from loorl.config import compose_config
     from loorl.models.load import load_tokenizer
     from loorl.models.sources import ensure_gguf
+    from loorl.util.onednn import cap_onednn_primitive_cache
+
+    cap_onednn_primitive_cache()  # before this process's first bf16 product (loorl.util.onednn)
 
     torch.manual_seed(0)
     base = ("experiment=smollm2_arithmetic", "output_dir=/tmp/bench-packing", f"model.dtype={args.dtype}")

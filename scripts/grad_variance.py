@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from loorl.research.probe import ProbeOptions, probe, table  # noqa: E402
+from loorl.util.onednn import cap_onednn_primitive_cache  # noqa: E402
 
 
 def parse_args(argv) -> tuple[ProbeOptions, Path, list[str]]:
@@ -53,6 +54,7 @@ def parse_args(argv) -> tuple[ProbeOptions, Path, list[str]]:
 
 def main(argv) -> int:
     options, out, overrides = parse_args(argv)
+    cap_onednn_primitive_cache()  # before this process's first bf16 product (loorl.util.onednn)
     results = probe(options, overrides, out, command="python scripts/grad_variance.py " + " ".join(argv))
     print("\n" + table(results) + f"\nwritten to {out}/ (table.md, results.json)")
     return 0

@@ -30,6 +30,7 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 
 from loorl.config import CONF_DIR  # noqa: E402
 from loorl.util.hardware import matmul_flops_per_s, uses_cuda  # noqa: E402
+from loorl.util.onednn import cap_onednn_primitive_cache  # noqa: E402
 from loorl.util.profiling import PHASES  # noqa: E402
 
 
@@ -114,6 +115,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench" / "profile.md")
     parser.add_argument("overrides", nargs="*", help="loorl config overrides (as for src/train.py)")
     args = parser.parse_args()
+    cap_onednn_primitive_cache()  # before this process's first bf16 product (loorl.util.onednn)
 
     from loorl.cli import train as train_module
 

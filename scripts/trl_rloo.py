@@ -32,6 +32,7 @@ from loorl.config import CONF_DIR, load_settings  # noqa: E402
 from loorl.models.load import load_tokenizer  # noqa: E402
 from loorl.models.sources import resolve_model_path  # noqa: E402
 from loorl.training.module import wsd_arguments  # noqa: E402
+from loorl.util.onednn import cap_onednn_primitive_cache  # noqa: E402
 
 
 def main() -> None:
@@ -41,6 +42,7 @@ def main() -> None:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
+    cap_onednn_primitive_cache()  # before this process's first bf16 product (loorl.util.onednn)
     args.out.mkdir(parents=True, exist_ok=True)
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):

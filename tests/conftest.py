@@ -20,8 +20,10 @@ from pathlib import Path
 import pytest
 
 from loorl.config import compose_config
+from loorl.util.onednn import cap_onednn_primitive_cache
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+cap_onednn_primitive_cache()  # before any test's first bf16 product, and in the runs the tests start
 QUICK = ("debug=quick", "rollout=hf")  # the tests' base profile
 
 

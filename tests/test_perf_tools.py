@@ -145,6 +145,9 @@ ONEDNN_SHAPES = textwrap.dedent(
     import os, re
     import torch
     import loorl
+    print(os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "unset"))  # a bare import sets nothing
+    from loorl.util.hardware import bf16_speedup
+    bf16_speedup()  # the config's bf16 probe: the first bf16 product of a library run
     print(os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "unset"))
     def resident_mb():
         return int(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) / 1e3
@@ -159,23 +162,55 @@ ONEDNN_SHAPES = textwrap.dedent(
 )
 
 
-def test_importing_loorl_caps_onednns_primitive_cache_and_a_users_value_stays():
-    """297 bf16 products of new shapes in a fresh process that imported loorl: capped (no variable
-    set) the resident set grows at least 40 MB less than with oneDNN's own 1,024, set by the user
-    and kept (about 0.25 MB a primitive: 213 against 131 MB measured on the bf16 EPYC). Where bf16
+def test_the_bf16_probe_caps_onednns_primitive_cache_and_a_users_value_stays():
+    """297 bf16 products of new shapes in a fresh process that ran loorl's bf16 probe: capped (no
+    variable set) the resident set grows at least 40 MB less than with oneDNN's own 1,024, set by the
+    user and kept (about 0.25 MB a primitive: 213 against 131 MB measured on the bf16 EPYC). Where bf16
     products do not go through oneDNN (an AVX2-only CPU) nothing grows and only the setting is
-    checked."""
+    checked. Importing loorl alone leaves the environment as it was."""
 
-    def child(**extra: str) -> tuple[str, float]:
+    def child(**extra: str) -> tuple[str, str, float]:
         env = {k: v for k, v in child_env().items() if k != "ONEDNN_PRIMITIVE_CACHE_CAPACITY"} | extra
         out = subprocess.run([sys.executable, "-c", ONEDNN_SHAPES], capture_output=True, text=True,
                              check=True, env=env).stdout.split()  # fmt: skip
-        return out[0], float(out[1])
+        return out[0], out[1], float(out[2])
 
-    (capacity, capped), (users, uncapped) = child(), child(ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024")
-    assert (capacity, users) == ("16", "1024")
+    imported, capacity, capped = child()
+    _, users, uncapped = child(ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024")
+    assert (imported, capacity, users) == ("unset", "16", "1024")
     if uncapped > 60:  # oneDNN compiled a primitive per shape: the cap must show
         assert capped < uncapped - 40, (capped, uncapped)
+
+
+def _tiny_model(path: Path) -> str:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    Qwen2ForCausalLM(config).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("entry", ["cli", "probe", "model_load"])
+def test_each_entry_caps_onednns_primitive_cache_before_its_first_product(entry, tmp_path, monkeypatch):
+    """The CLIs' body, the bf16 probe's product and the model load each set the cap (tests/conftest.py
+    set it for the session: it is taken out here); a value already set stays."""
+    from loorl.cli import console
+    from loorl.models.load import load_causal_lm
+    from loorl.util.hardware import square_product
+
+    monkeypatch.setattr(console, "quiet_library_output", lambda: None)  # the session's loggers stay
+    enter = {
+        "cli": lambda: console.run_cli(lambda cfg: None, None),
+        "probe": lambda: square_product(torch.bfloat16, 4),
+        "model_load": lambda: load_causal_lm(_tiny_model(tmp_path / "model"), dtype="bfloat16"),
+    }[entry]
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    enter()
+    assert os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY") == "16"
+    monkeypatch.setenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "1024")
+    enter()
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "1024"
 
 
 def test_peak_memory_follows_the_process_tree(tmp_path):

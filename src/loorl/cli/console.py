@@ -38,14 +38,17 @@ def launch(config_name: str, main) -> None:
 
 
 def run_cli(fn, cfg):
-    """A command's body as the CLI runs it: quiet libraries; a bad setting prints one `error:` line and
-    exits 2 (no traceback)."""
+    """A command's body as the CLI runs it: quiet libraries; oneDNN's cache capped before the job's
+    first product (`loorl.util.onednn`); a bad setting prints one `error:` line and exits 2 (no
+    traceback)."""
     import os
 
     from loorl.errors import ConfigError
     from loorl.parallel.distributed import is_distributed, lost_peer, rank_and_world
+    from loorl.util.onednn import cap_onednn_primitive_cache
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    cap_onednn_primitive_cache()
     quiet_library_output()
     try:
         return fn(cfg)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from loorl.errors import ConfigError
+from loorl.util.onednn import cap_onednn_primitive_cache
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -26,7 +27,11 @@ def load_tokenizer(path: str):
 
 
 def load_causal_lm(path: str, *, dtype: str, attn_implementation: str | None = None, trainable: bool = True):
+    """The model at `path` in `dtype`. oneDNN's cache is capped first: the model's products may be
+    the process's first bf16 ones (a script or notebook that loads without the CLI)."""
     from transformers import AutoModelForCausalLM
+
+    cap_onednn_primitive_cache()
 
     kwargs = {"dtype": torch_dtype(dtype)}
     if attn_implementation:

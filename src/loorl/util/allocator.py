@@ -24,7 +24,6 @@ import ctypes
 import ctypes.util
 import gc
 import logging
-import os
 
 log = logging.getLogger(__name__)
 
@@ -81,22 +80,3 @@ def release_memory() -> None:
     if cuda_in_use():
         torch.cuda.empty_cache()
     give_back_freed_memory()
-
-
-ONEDNN_PRIMITIVE_CACHE = 16  # primitives oneDNN keeps compiled (its default: 1024)
-
-
-def cap_onednn_primitive_cache(capacity: int = ONEDNN_PRIMITIVE_CACHE) -> None:
-    """Keep at most `capacity` compiled oneDNN primitives (`ONEDNN_PRIMITIVE_CACHE_CAPACITY`; a value
-    the user set stays). Importing loorl calls it: it must come before the process's first oneDNN
-    product, where the cache is sized.
-
-    On a CPU with bf16 units, bf16 matrix products go through oneDNN, which compiles a primitive per
-    shape and keeps up to 1,024 of them, about 0.25 MB each. Packed micro-batches and shrinking
-    decoding batches make new shapes every step, so the cache grows through a run: measured on the
-    bf16 EPYC, SmolLM2's recipe in bf16 (60 steps, trimmed every 5) peaked at 5.00 GB with 1,024,
-    4.80 GB with 128 and 4.59 GB with 16, with the same losses and the same s/step (4.18, 4.18,
-    4.13); with 0 (no cache) a step took twice as long. A decoding step's products (six shapes) and
-    a micro-batch's fit in 16. Where bf16 products do not use oneDNN (an AVX2-only CPU, float32)
-    it changes nothing."""
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(capacity))

@@ -18,6 +18,8 @@ from collections.abc import Callable
 
 import torch
 
+from loorl.util.onednn import cap_onednn_primitive_cache
+
 log = logging.getLogger("loorl")
 
 BF16_SPEEDUP_NEEDED = 1.5  # bf16 must beat float32 by this factor to be chosen (it also rounds)
@@ -52,7 +54,9 @@ def fastest_interleaved(
 
 
 def square_product(dtype: torch.dtype, size: int) -> Callable[[], torch.Tensor]:
-    """A product of two random [size, size] CPU tensors in `dtype`, to time."""
+    """A product of two random [size, size] CPU tensors in `dtype`, to time. The bf16 probe's may be
+    the process's first bf16 product (resolving `model.dtype`): oneDNN's cache is capped before it."""
+    cap_onednn_primitive_cache()
     return functools.partial(
         torch.matmul, torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
     )
