@@ -142,25 +142,22 @@ def task_manager(settings: HarnessSettings):
 
 # ---- the run ---------------------------------------------------------------------------------------
 def export_checkpoint(s, checkpoint: Path, target: Path) -> Path:
-    """A loorl checkpoint written out as a Hugging Face folder (the policy and its tokenizer), as a
-    run's own export writes `<run>/policy` (a LoRA policy: merged)."""
+    """A loorl checkpoint written out as a Hugging Face folder (the policy and its tokenizer) by the
+    code of a run's own export to `<run>/policy` (`save_policy`; a LoRA policy: merged)."""
     import torch
 
     from loorl.build import build_module, build_task
     from loorl.models.load import load_tokenizer
-    from loorl.models.lora import is_lora, save_lora
     from loorl.models.sources import resolve_model_path
+    from loorl.training.callbacks import save_policy
 
     model_path = resolve_model_path(s.model, s.task, build_task(s))
     module = build_module(s, model_path)
     module.configure_model()
     state = torch.load(checkpoint, map_location="cpu", weights_only=False, mmap=True)
     module.load_state_dict(state["state_dict"])
-    if is_lora(module.policy):
-        save_lora(module.policy, merged_dir=target, adapter_dir=target.with_name(target.name + "_adapter"))
-    else:
-        module.policy.save_pretrained(target)
-    load_tokenizer(model_path).save_pretrained(target)
+    adapter_dir = target.with_name(target.name + "_adapter")
+    save_policy(module.policy, load_tokenizer(model_path), target, adapter_dir=adapter_dir)
     return target
 
 

@@ -358,11 +358,26 @@ def drop_optimizer_state(trainer) -> None:
     gc.collect()
 
 
+def save_policy(policy, tokenizer, output_dir: Path, *, adapter_dir: Path, state: dict | None = None) -> None:
+    """The policy and its tokenizer as a Hugging Face folder, with `save_pretrained`: a run's export
+    (`HFExport`) and a checkpoint's for lm-eval (`loorl.cli.lm_harness.export_checkpoint`) write the
+    same. A LoRA policy is written as the merged model (`output_dir`, loaded like any other) and as its
+    adapters in peft's format (`adapter_dir`), `loorl.models.lora.save_lora`. `state`: the full state
+    dict gathered from a sharded policy, else None (its own)."""
+    if is_lora(policy):
+        save_lora(policy, merged_dir=output_dir, adapter_dir=adapter_dir, state=state)
+    else:
+        policy.save_pretrained(output_dir, state_dict=state)
+        if is_sharded(policy):  # save_pretrained names the class it sees: FSDP's subclass
+            policy.config.architectures = [unwrapped_class(policy).__name__]
+            policy.config.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+
+
 class HFExport(L.Callback):
-    """Saves the trained policy and its tokenizer with `save_pretrained` at the end of `fit`: one full
-    model, written by rank 0 (under FSDP every rank takes part in gathering it first). A LoRA policy
-    is written as the merged model (`output_dir`, loaded like any other) and as its adapters in peft's
-    format (`adapter_dir`), `loorl.models.lora.save_lora`."""
+    """Saves the trained policy and its tokenizer at the end of `fit` (`save_policy`): one full model,
+    written by rank 0 (under FSDP every rank takes part in gathering it first); a LoRA policy's adapters
+    go to `adapter_dir` (default: `adapter` beside `output_dir`)."""
 
     def __init__(self, output_dir: str, tokenizer, *, adapter_dir: str | None = None) -> None:
         self.output_dir = Path(output_dir)
@@ -373,13 +388,5 @@ class HFExport(L.Callback):
         drop_optimizer_state(trainer)
         policy = pl_module.policy
         state = full_state_dict(policy) if is_sharded(policy) else None  # collective under FSDP
-        if not trainer.is_global_zero:
-            return
-        if is_lora(policy):
-            save_lora(policy, merged_dir=self.output_dir, adapter_dir=self.adapter_dir, state=state)
-        else:
-            policy.save_pretrained(self.output_dir, state_dict=state)
-            if is_sharded(policy):  # save_pretrained names the class it sees: FSDP's subclass
-                policy.config.architectures = [unwrapped_class(policy).__name__]
-                policy.config.save_pretrained(self.output_dir)
-        self.tokenizer.save_pretrained(self.output_dir)
+        if trainer.is_global_zero:
+            save_policy(policy, self.tokenizer, self.output_dir, adapter_dir=self.adapter_dir, state=state)
