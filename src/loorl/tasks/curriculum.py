@@ -69,10 +69,6 @@ class Curriculum:
         self.last_step = step
         return moved
 
-    def success_rates(self) -> dict[str, float]:
-        """Each source's success rate over its window so far (NaN while empty)."""
-        return {n: sum(r) / len(r) if r else float("nan") for n, r in self.recent.items()}
-
     def state_dict(self) -> dict:
         """Plain values (a checkpoint is loaded with `weights_only=True`)."""
         return {"levels": dict(self.levels), "recent": {n: list(r) for n, r in self.recent.items()},
