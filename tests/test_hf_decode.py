@@ -12,7 +12,7 @@ import torch
 
 from fixtures import tiny_model_and_prompts
 from loorl.errors import ConfigError
-from loorl.rollout.decoding import decode, static_cache_length
+from loorl.rollout.decoding import EAGER, Step, decode, one_token_logits, static_cache_length
 from loorl.rollout.engine import EngineContext
 from loorl.rollout.hf_engine import HFEngine, choose_hf_decode, hf_decode
 from loorl.types import SamplingConfig
@@ -86,6 +86,29 @@ def test_one_compiled_graph_and_one_cache_serve_every_rollout_of_a_shape(tiny):
         addresses.append([layer.keys.data_ptr() for layer in cache.layers])
     assert graphs[0] == graphs[1] == graphs[2]
     assert addresses[0] == addresses[1] == addresses[2]
+
+
+def test_a_static_cache_is_rounded_up_for_a_compiled_step_only(tiny):
+    """The loop is told whether its step is compiled (`Step.compiled`) rather than guessing from the
+    function: a compiled step's static cache is rounded up to `CACHE_BUCKET` tokens (its graph then
+    serves prompts of similar length), an eager one's has the call's own length, whatever function
+    the step is (here one that wraps `one_token_logits`)."""
+    tok, model, ids = tiny
+    rows, mask = pad(ids, value=tok.pad_token_id, side="left")  # [b, P]
+
+    def cache_length(step: Step) -> int:
+        *_, cache_mask = decode(model.eval(), rows, mask, sampling=None, max_new_tokens=5, prefill_group=1,
+                                eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id,
+                                cache="static", step=step, keep=True)  # fmt: skip
+        return cache_mask.shape[1]
+
+    def wrapped(*args):
+        return one_token_logits(*args)
+
+    exact, rounded = rows.shape[1] + 5, static_cache_length(rows.shape[1], 5)
+    assert exact < rounded
+    assert cache_length(EAGER) == cache_length(Step(wrapped)) == exact
+    assert cache_length(Step(wrapped, compiled=True)) == rounded
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])

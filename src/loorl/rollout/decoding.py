@@ -16,6 +16,9 @@ dtype) or a preallocated one (`loorl.rollout.kv_cache`); `loorl.rollout.hf_engin
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
 from loorl.rollout.kv_cache import StaticCachePool, growing_cache, preallocated_cache
@@ -55,6 +58,20 @@ def one_token_logits(model, input_ids, position_ids, attention_mask, past_key_va
                  **with_cache(past_key_values), use_cache=True).logits[:, -1]  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Step:
+    """The loop's one-token step `fn` (`one_token_logits`'s arguments and result) and whether it is a
+    compiled graph. The engine knows which it built (`rollout.hf_decode`) and says so here: the loop
+    then rounds a static cache up to `CACHE_BUCKET` (a graph serves similar lengths) and on CUDA marks
+    each replay, for a compiled step only, whatever function it is."""
+
+    fn: Callable[..., torch.Tensor] = one_token_logits
+    compiled: bool = False
+
+
+EAGER = Step()  # `one_token_logits` as it is
+
+
 def static_cache_length(prompt_length: int, max_new_tokens: int, *, bucket: int = CACHE_BUCKET) -> int:
     """A static cache's length: prompt and completion, rounded up to `bucket` tokens."""
     return -(-(prompt_length + max_new_tokens) // bucket) * bucket
@@ -73,7 +90,7 @@ def decode(
     pad_token_id: int,
     generator: torch.Generator | None = None,
     cache: str = "dynamic",
-    step=one_token_logits,
+    step: Step = EAGER,
     check_every: int = 1,
     caches: StaticCachePool | None = None,
     stop_sequences: list[list[int]] = (),
@@ -88,7 +105,7 @@ def decode(
     continue with padding until every row has ended or the limit is reached. `cache`: dynamic (a
     growing key/value cache; `prefill_group` > 1: rows come in groups of that many copies of a prompt,
     which share one prefill, `shared_prefill`) or static (preallocated; every row prefills). `step`:
-    the one-token step (`one_token_logits`, or a compiled version of it). `check_every`: tokens between
+    the one-token step and whether it is compiled (`Step`). `check_every`: tokens between
     checks that every row has ended (each one a host sync on CUDA); the samples do not depend on it.
     `caches`: where a static cache is taken from and kept for the next call (None: a new one).
     `stop_sequences`: token-id sequences that also end a row once its last tokens are one of them
@@ -102,7 +119,7 @@ def decode(
     drop_ended = drop_ended and cache == "dynamic" and not keep
     if cache == "static":
         # L: rounded up to a bucket where a compiled step's graph is reused across lengths, else exact
-        bucket = CACHE_BUCKET if step is not one_token_logits else 1
+        bucket = CACHE_BUCKET if step.compiled else 1
         length = static_cache_length(prompt_length, max_new_tokens, bucket=bucket)  # L
         full_mask = mask.new_zeros(b, length)  # [b, L] fixed shape: positions to come are 0
         full_mask[:, :prompt_length] = mask
@@ -151,7 +168,7 @@ def decode_steps(
     eos_token_ids: list[int],
     pad_token_id: int,
     generator: torch.Generator | None = None,
-    step=one_token_logits,
+    step: Step = EAGER,
     check_every: int = 1,
     stop_sequences: list[list[int]] = (),
     static_start: int | None = None,
@@ -174,7 +191,7 @@ def decode_steps(
         raise ValueError("drop_ended needs a dynamic cache: a static one keeps its batch's shape")
     b = logits.shape[0]
     device = logits.device
-    compiled_on_cuda = step is not one_token_logits and device.type == "cuda"
+    compiled_on_cuda = step.compiled and device.type == "cuda"
     stops = torch.tensor(eos_token_ids, device=device)
     sequences = [torch.tensor(q, device=device) for q in stop_sequences if q]  # each [m]
     live = torch.arange(b, device=device)  # [r] the rows still in the batch (all of them without drop_ended)
@@ -213,7 +230,7 @@ def decode_steps(
             mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)  # [r, T + i + 1]
         if compiled_on_cuda:  # each replay of the CUDA graph starts a new step of its memory pool
             torch.compiler.cudagraph_mark_step_begin()
-        logits = step(model, token[:, None], next_position, mask, kv)  # [r, V]
+        logits = step.fn(model, token[:, None], next_position, mask, kv)  # [r, V]
         next_position = next_position + 1
     generated = i + 1  # [b, C], [b, C], [b, T'] (None: the rows left)
     return tokens[:, :generated], logprobs[:, :generated], None if drop_ended else mask

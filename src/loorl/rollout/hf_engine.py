@@ -45,7 +45,7 @@ import torch
 
 from loorl.errors import ConfigError
 from loorl.parallel.fsdp import is_sharded, reshard_after_generation, unshard_for_generation
-from loorl.rollout.decoding import decode, decode_steps, one_token_logits
+from loorl.rollout.decoding import EAGER, Step, decode, decode_steps, one_token_logits
 from loorl.rollout.engine import EngineContext, PolicyWeights, RolloutEngine
 from loorl.rollout.kept_cache import KeptRow, continuations, kept_after_turn
 from loorl.rollout.kv_cache import StaticCachePool
@@ -156,13 +156,17 @@ class HFEngine(RolloutEngine):
             raise ConfigError(f"rollout.hf_decode={decoding!r} is not one of: {choices}")
         self.batch_size = batch_size  # sequences per decoding call (memory bound)
         self.share_prompt, self.attention, self.decoding = share_prompt, attention, decoding
+        # what `decoding` means, decided once here: the loop's cache (`compiled` decodes into a static
+        # one) and whether its step is compiled (then its static caches are kept across calls)
+        self.cache = "dynamic" if decoding == "dynamic" else "static"
+        self.compiles = decoding == "compiled"
         self.model = None
         self.unsharded = False
-        self._compiled_step = None  # torch.compile of `one_token_logits`, built at the first compiled call
+        self._compiled_step: Step | None = None  # `one_token_logits` compiled, at the first compiled call
         # rows that ended leave a dynamic cache's batch (`decoding.decode_steps`); False: they decode
         # padding to the end, the loop it replaced (scripts/bench_engines.py's `hf:padded` times it)
         self.drop_ended = True
-        self._caches = StaticCachePool() if decoding == "compiled" else None  # kept across calls
+        self._caches = StaticCachePool() if self.compiles else None  # kept across calls
 
     def sync(self, weights: PolicyWeights, version: int | None = None, *, force: bool = False) -> None:
         """Point at the live policy (`weights.module`: sampling in place, no copy, the trainer's own
@@ -226,8 +230,8 @@ class HFEngine(RolloutEngine):
                     stop_sequences=stop,
                     pad_token_id=self.pad_token_id,
                     generator=generator,
-                    cache="dynamic" if self.decoding == "dynamic" else "static",
-                    step=self._step_function(),
+                    cache=self.cache,
+                    step=self._step(),
                     caches=self._caches,
                     check_every=CUDA_CHECK_EVERY if device.type == "cuda" else 1,
                     keep=keep,
@@ -263,7 +267,7 @@ class HFEngine(RolloutEngine):
     def continues_turns(self) -> bool:
         """Whether `generate_keeping` and `continue_kept` can keep a call's cache for the next turn:
         with the dynamic cache (CPU's default). The static and compiled ones prefill each turn again."""
-        return self.decoding == "dynamic"
+        return self.cache == "dynamic"
 
     @torch.no_grad()
     def generate_keeping(
@@ -329,15 +333,16 @@ class HFEngine(RolloutEngine):
     def _limit(self, max_new_tokens: int | None) -> int:
         return self.sampling.max_new_tokens if max_new_tokens is None else max_new_tokens
 
-    def _step_function(self):
+    def _step(self) -> Step:
         """The one-token step: `one_token_logits`, compiled once per engine for `compiled` (a sharded
         policy's FSDP hooks stay eager: its step is not compiled)."""
-        if self.decoding != "compiled" or is_sharded(self.model):
-            return one_token_logits
+        if not self.compiles or is_sharded(self.model):
+            return EAGER
         if self._compiled_step is None:
             if next(self.model.parameters()).device.type == "cpu":
                 inductor_cache_for_this_cpu()  # compiled kernels are not shared across CPU capabilities
-            self._compiled_step = torch.compile(one_token_logits, mode="reduce-overhead", dynamic=False)
+            compiled = torch.compile(one_token_logits, mode="reduce-overhead", dynamic=False)
+            self._compiled_step = Step(compiled, compiled=True)
         return self._compiled_step
 
 
