@@ -215,3 +215,41 @@ def test_the_docs_task_and_reward_examples_train_two_steps(tmp_path, model_cache
         credit = last_digit_credit([row["prompt"]], [row["completion"]], a=[a], b=[b])[0] or 0.0
         expected = task.reward(task._prompt(a, b), row["completion"]) + 0.5 * credit
         assert float(row["reward"]) == pytest.approx(expected), row
+
+
+def test_the_docs_curriculum_task_moves_its_level_through_the_task_hooks(tmp_path, model_cache):
+    """docs/extending/task.md's worked curriculum task (docs/examples/growing_sums.py), one source and no
+    `source_names`: every step's outcomes reach its `observe`, so its level moves (a window of the
+    step's 32 samples, raised by any correct one, two levels) and is in the checkpoint (`state_dict`);
+    restored from it (`load_state_dict`, as a resume does), the task draws the new level's prompts.
+    Before the hooks were declared on Task, a task without `source_names` was never observed and
+    stayed at level 0."""
+    done = train_cli(
+        tmp_path, model_cache,
+        "task._target_=growing_sums.GrowingSums", "+task.max_operands=[9,19]", "+task.window=32",
+        "+task.raise_above=0.01", "checkpoint_every=2",
+        PYTHONPATH=os.pathsep.join([str(DOC_EXAMPLES), os.environ.get("PYTHONPATH", "")]),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    history = json.loads((tmp_path / "run" / "metrics.json").read_text())["history"]
+    assert history["rollout/accuracy"][0][1] > 0  # the warm-started policy got some of level 0 right
+    assert history["curriculum/level/arithmetic"] == [[0, 1.0], [1, 1.0]]  # (the config's task name)
+    state = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
+    task_state = [v["task"] for v in state.values() if isinstance(v, dict) and "task" in v]
+    assert [t["levels"] for t in task_state] == [{"arithmetic": 1}]
+    sys.path.insert(0, str(DOC_EXAMPLES))
+    try:
+        from growing_sums import GrowingSums
+    finally:
+        sys.path.remove(str(DOC_EXAMPLES))
+
+    def operands(task: GrowingSums) -> list[int]:
+        prompts = task.prompts_for_step(2, 64, seed=0)
+        return [int(x) for p in prompts for x in p.text.rstrip("=").split("+")]
+
+    fresh, resumed = (
+        GrowingSums(name="arithmetic", max_operands=(9, 19)),
+        GrowingSums(name="arithmetic", max_operands=(9, 19)),
+    )
+    resumed.load_state_dict(task_state[0])  # as a resume does: the next prompts come from level 1
+    assert max(operands(fresh)) <= 9 < max(operands(resumed)) <= 19

@@ -403,11 +403,13 @@ class RolloutDataModule(L.LightningDataModule):
         if self.overlong.buffer:  # the mean penalty over the step's samples (all ranks)
             total, count = all_reduce(torch.stack([penalty.sum(), torch.tensor(penalty.numel())])).tolist()
             stats["rollout/overlong_penalty"] = total / count
-        names = getattr(self.task, "source_names", None)
-        if names:  # task=mix, task=reasoning_gym: per source; a task that adapts (a curriculum) moves
+        names = self.task.source_names
+        if names:  # task=mix, task=reasoning_gym: per source
             index = source_index(prompts, names)  # [W*B] one all-gather for both
             stats |= source_stats(index, everyone[0], names)
-            stats |= self.task.observe(step, source_outcomes(index, everyone[0], names))
+        else:  # one source, the task itself
+            index, names = torch.zeros(len(everyone[0].correct), dtype=torch.long), [self.task.name]  # [W*B]
+        stats |= self.task.observe(step, source_outcomes(index, everyone[0], names))  # a curriculum moves
         flat = [c for g in groups for c in g]
         if any(c.policy_mask is not None for c in flat):  # multi-turn rollouts with tools (all ranks)
             stats |= tool_stats(all_reduce(tool_counts(flat)).tolist())
@@ -461,7 +463,7 @@ class RolloutDataModule(L.LightningDataModule):
             "pass_k": None,
             "maj_k": None,
             "sources": [p.meta.get("source") for p in prompts],  # task=mix: each prompt's source
-            "source_names": getattr(self.task, "source_names", None),
+            "source_names": self.task.source_names,
         }
         if self.pass_k > 0:
             step = self.trainer.global_step if self.trainer is not None else 0

@@ -82,19 +82,31 @@ class Task(ABC):
         number, a normalised expression). Code tasks say no (see `CodeTask`)."""
         return True
 
+    # ---- the hooks of a task that adapts to the policy (a curriculum; docs/extending/task.md) ------------
+    @property
+    def source_names(self) -> list[str]:
+        """The sources the prompts come from (each prompt's `meta["source"]`), for a task that mixes
+        several (`task=mix`, `task=reasoning_gym`): rollout and held-out metrics are logged per source
+        too, and `observe` gets each source's outcomes apart. Default: none, one source, the task
+        itself."""
+        return []
+
     def observe(self, step: int, outcomes: dict[str, list[int]]) -> dict[str, float]:
-        """A training step's outcomes (1 correct, 0 not) per source (`source_names`), every rank's,
-        after each graded round of the step: a task that adapts to the policy (a curriculum) moves
-        here, on a step's first call only (dynamic sampling's further rounds, and a rollout sampled
-        ahead that a checkpoint grades early, call again). Returns statistics to log with the step.
-        Default: nothing."""
+        """A training step's outcomes (1 correct, 0 not; unscorable samples left out), every rank's in
+        rank, prompt and sample order: per source (`source_names`), or under the task's `name` for a
+        task without sources. Called for every task after each graded round of a step: a task that
+        adapts to the policy (a curriculum) moves here, on a step's first call only (dynamic
+        sampling's further rounds, and a rollout sampled ahead that a checkpoint grades early, call
+        again with the same step). Returns statistics to log with the step. Default: nothing."""
         return {}
 
     def state_dict(self) -> dict:
-        """What `observe` changed, as plain values, for the checkpoint (a resume restores it)."""
+        """What `observe` changed, as plain values (ints, floats, strings, lists, dicts: a checkpoint
+        is loaded with `weights_only=True`), kept in every checkpoint; a resume restores it."""
         return {}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned (an empty dict from a checkpoint without a task state)."""
         return None
 
     def run_facts(self) -> dict[str, str]:
