@@ -1,4 +1,4 @@
-"""How noisy is each estimator's policy gradient? The statistics of `scripts/grad_variance.py`.
+"""How noisy is each estimator's policy gradient? The statistics of the probe (`loorl.research.probe`).
 
 For R independent rollouts of the same prompts under the same policy, each estimator gives R gradient
 estimates g_1..g_R (flattened over the parameters). Their relative variance is
