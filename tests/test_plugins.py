@@ -4,6 +4,7 @@ each named by a `_target_` setting and defined in tests/plugins/ (nothing under 
 from __future__ import annotations
 
 import csv
+import importlib
 import json
 import os
 import subprocess
@@ -182,17 +183,22 @@ def test_a_built_in_engine_refuses_plug_in_options(quick_cfg, engine):
 DOC_EXAMPLES = ROOT / "docs" / "examples"
 
 
+def doc_example(name: str):
+    """The module `docs/examples/<name>.py`, imported as the docs' `PYTHONPATH=docs/examples` does."""
+    sys.path.insert(0, str(DOC_EXAMPLES))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(DOC_EXAMPLES))
+
+
 def test_the_docs_task_and_reward_examples_train_two_steps(tmp_path, model_cache):
     """docs/extending's worked task and reward (docs/examples/my_task.py, my_reward.py), as the pages
     run them: `PYTHONPATH=docs/examples python src/train.py task._target_=my_task.LastDigitSums
     '+reward.functions.digit=...'`. The task's rewards are its own (half credit for the last digit),
     and the reward function runs beside the verifier at both steps."""
-    sys.path.insert(0, str(DOC_EXAMPLES))
-    try:
-        from my_reward import last_digit_credit
-        from my_task import LastDigitSums
-    finally:
-        sys.path.remove(str(DOC_EXAMPLES))
+    last_digit_credit = doc_example("my_reward").last_digit_credit
+    LastDigitSums = doc_example("my_task").LastDigitSums
     task = LastDigitSums(eval_size=5)
     prompt = task._prompt(17, 25)
     assert (prompt.text, prompt.answer) == ("17+25=", "42")
@@ -237,13 +243,9 @@ def test_the_docs_curriculum_task_moves_its_level_through_the_task_hooks(tmp_pat
     state = torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)
     task_state = [v["task"] for v in state.values() if isinstance(v, dict) and "task" in v]
     assert [t["levels"] for t in task_state] == [{"arithmetic": 1}]
-    sys.path.insert(0, str(DOC_EXAMPLES))
-    try:
-        from growing_sums import GrowingSums
-    finally:
-        sys.path.remove(str(DOC_EXAMPLES))
+    GrowingSums = doc_example("growing_sums").GrowingSums
 
-    def operands(task: GrowingSums) -> list[int]:
+    def operands(task) -> list[int]:
         prompts = task.prompts_for_step(2, 64, seed=0)
         return [int(x) for p in prompts for x in p.text.rstrip("=").split("+")]
 
