@@ -53,6 +53,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     what.add_argument("--plan", action="store_true", help="check and print the settings' differences only")
     what.add_argument("--report", action="store_true", help="write the report from the finished runs only")
     args, overrides = parser.parse_known_args(argv)
+    if args.only:  # `--only smollm2 model=qwen7b`: argparse's nargs="+" took the override as a part
+        overrides += [o for o in args.only if "=" in o]
+        args.only = [o for o in args.only if "=" not in o]
     unknown = [o for o in overrides if o.startswith("-") or "=" not in o]
     if unknown:
         parser.error(f"unknown argument {unknown[0]}; Hydra overrides for every run are key=value")

@@ -311,6 +311,12 @@ def test_a_rerun_runs_only_what_is_missing(quick_study):
 def test_the_plan_prints_the_differences_and_bad_arguments_are_one_line():
     done = subprocess.run(STUDY + ["quick", "--plan"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0 and "grpo: estimator.name: rloo -> grpo" in done.stdout
+    # an override right after --only's parts (the docs' `--only smollm2 model=qwen7b`) is an override
+    done = subprocess.run(STUDY + ["quick", "--only", "estimators", "rl.steps=1", "--plan"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    assert (
+        done.returncode == 0 and "[estimators] 2 settings" in done.stdout and "[variance]" not in done.stdout
+    )
     bad = subprocess.run(STUDY + ["quick", "--plan", "--nope"], capture_output=True, text=True, cwd=ROOT)
     assert bad.returncode == 2 and "unknown argument --nope" in bad.stderr
     bad = subprocess.run(STUDY + ["quick", "--plan", "--only", "x"], capture_output=True, text=True, cwd=ROOT)
