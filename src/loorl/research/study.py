@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 
 from loorl.config import CONF_DIR, ConfigError, compose_config
 from loorl.research.probe import ProbeOptions, probe, read_results
+from loorl.util.allocator import release_memory
 
 STUDY_DIR = CONF_DIR / "study"
 RUN_KEYS = ("output_dir", "resume_from")  # where a run writes and how it restarts: not what it computes
@@ -358,6 +359,8 @@ def run_probe(out: Path, part: Part, *, echo=print) -> list[Path]:
             (target / "study.log").write_text(traceback.format_exc())
             failed.append(target)
             echo(f"[{part.name}]   failed: see {target / 'study.log'}")
+        finally:  # the probed policy and its engine go before the next one is built (in this process)
+            release_memory()
     return failed
 
 
