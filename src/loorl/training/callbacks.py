@@ -96,6 +96,15 @@ def trims_after(step: int, every: int) -> bool:
     return every > 0 and (step + 1) % every == 0
 
 
+def logged_this_epoch(trainer) -> dict:
+    """The metrics logged in the epoch that is ending (its training or validation loop), as
+    `trainer.callback_metrics` names them. `callback_metrics` itself also keeps every earlier epoch's
+    keys: a metric a step does not log (`rollout/completion_len_correct` when no sample was correct, a
+    curriculum's level, the tools' counts) would read as the last step's value again. From the logger
+    connector's results of the epoch (Lightning 2.x, not public API; `EpochRow` reads them too)."""
+    return trainer._logger_connector.metrics["callback"]
+
+
 class RunSummary(L.Callback):
     """Collects per-step metrics and, at the end of `fit`, writes `summary.md`, `metrics.json` and
     `learning_curve.png` into `output_dir` and prints the summary.
@@ -128,17 +137,18 @@ class RunSummary(L.Callback):
         self.history.setdefault(key, []).append((step, float(value)))
 
     def on_validation_epoch_end(self, trainer, pl_module) -> None:
-        if trainer.sanity_checking or "val/accuracy" not in trainer.callback_metrics:
+        logged = logged_this_epoch(trainer)
+        if trainer.sanity_checking or "val/accuracy" not in logged:
             return
         step = rl_steps_done(trainer)
-        for key, value in trainer.callback_metrics.items():
+        for key, value in logged.items():
             if key.startswith("val/"):
                 self._record(key, step, value)
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         epoch_values = {}  # a metric logged on step and epoch appears as `x`, `x_step` and `x_epoch`
         recorded = ("rollout/", "perf/", "train/", "dynamic/", "tools/", "curriculum/")
-        for key, value in trainer.callback_metrics.items():
+        for key, value in logged_this_epoch(trainer).items():
             if key.startswith(recorded) and not key.endswith("_step"):
                 epoch_values[key.removesuffix("_epoch")] = value
         for key, value in epoch_values.items():

@@ -1,0 +1,47 @@
+"""The run's own record of its metrics (`RunSummary.history`, metrics.json): a metric is recorded at the
+steps that logged it, never as an earlier step's value again."""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+
+from loorl.training.callbacks import RunSummary
+
+
+class EveryOtherEpoch(L.LightningModule):
+    """Logs `rollout/always` every epoch, `rollout/even` and `val/even` only at even epochs (as loorl logs
+    `rollout/completion_len_correct` only at steps with a correct sample), `val/accuracy` always."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+
+    def training_step(self, batch, batch_idx):
+        epoch = self.current_epoch
+        self.log("rollout/always", float(epoch), on_step=False, on_epoch=True, batch_size=1)
+        if epoch % 2 == 0:
+            self.log("rollout/even", float(epoch), on_step=False, on_epoch=True, batch_size=1)
+        return (self.weight * batch).sum()
+
+    def validation_step(self, batch, batch_idx):
+        epoch = self.current_epoch
+        self.log("val/accuracy", float(epoch), on_step=False, on_epoch=True, batch_size=1)
+        if epoch % 2 == 0:
+            self.log("val/even", float(epoch), on_step=False, on_epoch=True, batch_size=1)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_a_metric_is_recorded_only_at_the_steps_that_logged_it(tmp_path):
+    summary = RunSummary(str(tmp_path))
+    data = torch.utils.data.DataLoader(torch.ones(1, 1), batch_size=1)
+    trainer = L.Trainer(max_epochs=4, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        callbacks=[summary])  # fmt: skip
+    trainer.fit(EveryOtherEpoch(), data, data)
+    steps = {key: [step for step, _ in points] for key, points in summary.history.items()}
+    assert steps["rollout/always"] == [0, 1, 2, 3]
+    assert summary.history["rollout/even"] == [(0, 0.0), (2, 2.0)]  # not (1, 0.0), (3, 2.0) again
+    assert len(steps["val/accuracy"]) == 4 and len(steps["val/even"]) == 2
