@@ -21,30 +21,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from loorl.research.probe import ProbeOptions, probe, table  # noqa: E402
+from loorl.research.probe import ProbeOptions, add_options, options_from, probe, table  # noqa: E402
 from loorl.util.onednn import cap_onednn_primitive_cache  # noqa: E402
 
 
 def parse_args(argv) -> tuple[ProbeOptions, Path, list[str]]:
-    defaults = ProbeOptions()
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--policy", help="an exported HF policy folder or a loorl .ckpt (default: the model)")
-    parser.add_argument(
-        "--prompts", type=int, default=defaults.prompts, help="prompts (fixed across repeats)"
-    )
-    parser.add_argument("--samples", type=int, default=defaults.samples, help="K completions per prompt")
-    parser.add_argument("--repeats", type=int, default=defaults.repeats, help="R independent rollouts")
-    parser.add_argument(
-        "--shift", type=float, default=defaults.shift, help="the constant added to every reward"
-    )
-    parser.add_argument("--bootstrap", type=int, default=defaults.bootstrap, help="bootstrap resamples")
+    add_options(parser)
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "grad_variance")
     args, overrides = parser.parse_known_args(argv)
     if [o for o in overrides if o.startswith("-")]:
         parser.error(f"unknown option {[o for o in overrides if o.startswith('-')][0]}")
-    options = ProbeOptions(args.policy, args.prompts, args.samples, args.repeats, args.shift, args.bootstrap)
+    options = options_from(args)
     try:
         options.check()
     except ValueError as error:

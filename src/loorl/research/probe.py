@@ -15,10 +15,11 @@ under its function's name), and `batch_mean`, REINFORCE with the batch's mean re
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +58,43 @@ class ProbeOptions:
             if value != getattr(ProbeOptions, name):
                 out += [f"--{name}", f"{value:g}" if isinstance(value, float) else str(value)]
         return out
+
+
+def add_options(parser: argparse.ArgumentParser) -> None:
+    """The probe's options (`ProbeOptions`), on the script's parser and on the one that reads a
+    study's `probe.args` (`parse_options`)."""
+    defaults = ProbeOptions()
+    parser.add_argument("--policy", help="an exported HF policy folder or a loorl .ckpt (default: the model)")
+    parser.add_argument(
+        "--prompts", type=int, default=defaults.prompts, help="prompts (fixed across repeats)"
+    )
+    parser.add_argument("--samples", type=int, default=defaults.samples, help="K completions per prompt")
+    parser.add_argument("--repeats", type=int, default=defaults.repeats, help="R independent rollouts")
+    parser.add_argument(
+        "--shift", type=float, default=defaults.shift, help="the constant added to every reward"
+    )
+    parser.add_argument("--bootstrap", type=int, default=defaults.bootstrap, help="bootstrap resamples")
+
+
+def options_from(namespace: argparse.Namespace) -> ProbeOptions:
+    """The options a parser with `add_options` read (not yet checked: `ProbeOptions.check`)."""
+    return ProbeOptions(**{f.name: getattr(namespace, f.name) for f in fields(ProbeOptions)})
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    def error(self, message: str):  # a ValueError for the caller's one-line error, not an exit
+        raise ValueError(message)
+
+
+def parse_options(args: list[str]) -> ProbeOptions:
+    """Options given as the script takes them (`["--prompts", "32", ...]`); ValueError where one is not
+    a probe option or not of its type (abbreviations are not taken)."""
+    parser = _RaisingParser(add_help=False, allow_abbrev=False)
+    add_options(parser)
+    namespace, rest = parser.parse_known_args(args)
+    if rest:
+        raise ValueError(f"not probe options: {rest}")
+    return options_from(namespace)
 
 
 def batch_mean_baseline(inp: AdvantageInput) -> torch.Tensor:

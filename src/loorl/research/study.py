@@ -18,14 +18,14 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import yaml
 from omegaconf import OmegaConf
 
 from loorl.config import CONF_DIR, ConfigError, compose_config
-from loorl.research.probe import ProbeOptions, probe, read_results
+from loorl.research.probe import ProbeOptions, parse_options, probe, read_results
 from loorl.util.allocator import release_memory
 
 STUDY_DIR = CONF_DIR / "study"
@@ -305,19 +305,20 @@ def checkpoints_by_step(folder: Path) -> dict[int, Path]:
 
 
 def probe_options(part: Part, policy: Path | None) -> ProbeOptions:
-    """The probe's options of a probe part (`probe.args`, as `scripts/grad_variance.py` takes them) at
-    `policy` (None: the policy before RL)."""
-    args, names = [str(a) for a in part.probe.get("args", [])], ProbeOptions.__dataclass_fields__
-    given = dict(zip(args[::2], args[1::2]))
-    bad = [a for a in given if not a.startswith("--") or a[2:] not in names or a == "--policy"]
-    if bad or len(args) % 2:
+    """The probe's options of a probe part (`probe.args`, as `scripts/grad_variance.py` takes them; the
+    study sets the policy) at `policy` (None: the policy before RL). Not yet checked."""
+    args = [str(a) for a in part.probe.get("args", [])]
+    try:
+        if "--policy" in args:
+            raise ValueError("--policy is the study's")
+        options = parse_options(args)
+    except ValueError:
+        names = [f"--{f.name}" for f in fields(ProbeOptions) if f.name != "policy"]
         raise ConfigError(
             f"study part {part.name}: probe.args {args} should be pairs such as [--prompts, 32]; the "
-            f"options: {', '.join('--' + n for n in names if n != 'policy')}"
-        )
-    kinds = {"prompts": int, "samples": int, "repeats": int, "bootstrap": int, "shift": float}
-    return ProbeOptions(policy=None if policy is None else str(policy),
-                        **{a[2:]: kinds[a[2:]](v) for a, v in given.items()})  # fmt: skip
+            f"options: {', '.join(names)}"
+        ) from None
+    return replace(options, policy=None if policy is None else str(policy))
 
 
 def probe_folder(out: Path, part: Part, step: int) -> Path:
