@@ -297,7 +297,12 @@ def test_the_probe_part_probes_the_policy_before_rl_and_at_each_checkpoint(quick
 
 def test_a_rerun_runs_only_what_is_missing(quick_study):
     out, command, _ = quick_study
-    lost = next(p for p in (out / "runs" / "runs").glob("*/seed1/metrics.json") if "-" not in p.parts[-3])
+    lost = next(  # one of the fixture's own runs (the slow probe test adds rl.steps=2 runs beside them)
+        p
+        for p in sorted((out / "runs" / "runs").glob("*/seed1/metrics.json"))
+        if "-" not in p.parts[-3]
+        and yaml.safe_load((p.parent / "config.yaml").read_text())["rl"]["steps"] == 1
+    )
     stopped = json.loads(lost.read_text())
     stopped["summary"]["rl_steps"] = 0  # as a run stopped before its one step writes it
     lost.write_text(json.dumps(stopped))
