@@ -44,7 +44,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import torch  # noqa: E402
 
-from loorl.rollout.decoding import LEAVE_AT  # noqa: E402
+from loorl.rollout.engines.decoding import LEAVE_AT  # noqa: E402
 from loorl.util.onednn import cap_onednn_primitive_cache  # noqa: E402
 
 WORKS = {"tiny": [], "smollm2": ["experiment=smollm2_arithmetic"]}  # recipe overrides
@@ -206,7 +206,7 @@ def bench_work(work: str, paths: list[str], *, repeats: int, profile: bool, extr
     from loorl.build import build_rollout_engine, build_task
     from loorl.models.load import load_causal_lm, load_tokenizer
     from loorl.models.sources import resolve_model_path
-    from loorl.rollout.vllm_engine import vllm_installed
+    from loorl.rollout.engines.vllm_engine import vllm_installed
     from loorl.util.hardware import matmul_flops_per_s
 
     rows, base = [], compose_work(work, "hf:dynamic", extra)

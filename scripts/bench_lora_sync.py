@@ -39,8 +39,8 @@ from loorl.config import compose_config, load_settings  # noqa: E402
 from loorl.models.load import load_causal_lm, load_tokenizer  # noqa: E402
 from loorl.models.lora import apply_lora  # noqa: E402
 from loorl.models.sources import resolve_model_path  # noqa: E402
-from loorl.rollout.engine import PolicyWeights  # noqa: E402
-from loorl.rollout.hf_engine import HFEngine  # noqa: E402
+from loorl.rollout.engines.base import PolicyWeights  # noqa: E402
+from loorl.rollout.engines.hf_engine import HFEngine  # noqa: E402
 from loorl.util.onednn import cap_onednn_primitive_cache  # noqa: E402
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # the ranks vLLM's LoRAConfig accepts

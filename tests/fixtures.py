@@ -271,3 +271,62 @@ def sandbox_leftovers(*, namespaced_only: bool = False) -> list[int]:
                     continue  # a running program's uid
             found += [pid for pid in sandbox.uids._uid_processes(uid) if counted(pid)]
     return found
+
+
+def policy_and_rollouts(cfg) -> tuple:
+    """(cfg, task, tokenizer, module, datamodule) of the run `cfg`: the learner with its policy built
+    and the DataModule with the run's engine (not started)."""
+    from hydra.utils import instantiate
+
+    from loorl.build import build_datamodule, build_module
+    from loorl.models.load import load_tokenizer
+    from loorl.models.tiny import ensure_tiny_model
+
+    task = instantiate(cfg.task)
+    path = str(ensure_tiny_model(cfg.model, cfg.task, task))
+    tok = load_tokenizer(path)
+    module = build_module(cfg, path)
+    module.configure_model()
+    return cfg, task, tok, module, build_datamodule(cfg, task, tok, path)
+
+
+def token_ids_of(tok, prompts):
+    return [tok(p.text, add_special_tokens=False).input_ids for p in prompts]
+
+
+def follows_one_optimizer_step(setup, weights) -> dict:
+    """One real RLOO step (a vLLM rollout, in process or from a server; loss, AdamW on what trains), then:
+    after the sync vLLM's greedy tokens are the HF policy's and its log-probs the trainer's to 1e-4;
+    before it, it sampled from the old weights (> 1e-3). `setup`: (cfg, task, tokenizer, module,
+    datamodule); `weights(policy)`: what `sync` receives. Returns the step's metrics."""
+    from loorl.algo.logprobs import completion_logprobs
+    from loorl.rollout.batch import assemble
+    from loorl.rollout.engines.hf_engine import HFEngine
+
+    cfg, task, tok, module, dm = setup
+    engine = dm.engine
+    engine.sync(weights(module.policy), version=0)
+    batch, metrics = module.prepare(dm.collect(step=0).batch)
+    assert (batch.completion_mask.sum(-1) > 0).all()
+    opt = torch.optim.AdamW([p for p in module.policy.parameters() if p.requires_grad], lr=1e-2)
+    module.accumulate_gradients(batch, lambda loss: loss.backward())
+    opt.step()
+    opt.zero_grad()
+
+    prompts = token_ids_of(tok, task.eval_prompts()[:40])
+    stale = engine.generate(prompts, n=4)
+    engine.sync(weights(module.policy), version=1)
+    hf = HFEngine(engine.sampling, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    hf.sync(module.policy)
+    vllm_greedy = [g[0].token_ids for g in engine.generate(prompts, n=1, greedy=True)]
+    assert vllm_greedy == [g[0].token_ids for g in hf.generate(prompts, n=1, greedy=True)]
+
+    def max_mismatch(groups):
+        b = assemble(prompts, groups, pad_token_id=tok.pad_token_id, rewards=torch.zeros(40, 4))
+        with torch.no_grad():
+            lp = completion_logprobs(module.policy, b, sampling=engine.sampling)
+        return (lp - b.sampler_logprobs)[b.completion_mask.bool()].abs().max().item()
+
+    assert max_mismatch(engine.generate(prompts, n=4)) < 1e-4
+    assert max_mismatch(stale) > 1e-3
+    return metrics

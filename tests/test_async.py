@@ -1,4 +1,4 @@
-"""One step off (`rollout.async_steps=1`): step t+1's rollout is sampled with step t's weights while step t
+"""One step off (`rollout.max_staleness=1`): step t+1's rollout is sampled with step t's weights while step t
 trains (in a sampler process of its own, `rollout.devices=auto`), the loss corrects for the lag with the
 sampler's log-probs, runs repeat exactly, the sampler process changes where the samples are drawn but
 not what they are, and a resume trains on the rollout that was sampled ahead (it is in the checkpoint).
@@ -25,7 +25,7 @@ from loorl.models.sources import resolve_model_path
 from loorl.types import RolloutBatch
 from test_resume import ROOT, _command, _env, _run, _start_and_signal
 
-ASYNC = "rollout.async_steps=1"
+ASYNC = "rollout.max_staleness=1"
 
 
 # ---- the off-policy gradient ------------------------------------------------------------------------
@@ -235,13 +235,13 @@ def test_a_stopped_data_parallel_one_step_off_run_resumes_to_the_same_run(tmp_pa
     [
         (
             (ASYNC, "strategy=fsdp", "trainer.devices=2"),
-            "rollout.async_steps=1 is not supported with strategy=fsdp",
+            "rollout.max_staleness=1 is not supported with strategy=fsdp",
         ),
         (
             (ASYNC, "strategy=ddp", "trainer.devices=2", "rollout.devices=cpu:1"),
             "places one sampler, but a data",
         ),
-        (("rollout.async_steps=2",), "rollout.async_steps"),
+        (("rollout.max_staleness=-1",), "rollout.max_staleness"),
     ],
 )
 def test_one_step_off_settings_that_cannot_run_are_one_line(quick_cfg, overrides, message):
@@ -250,8 +250,8 @@ def test_one_step_off_settings_that_cannot_run_are_one_line(quick_cfg, overrides
     assert "\n" not in str(err.value)
 
 
-def test_async_steps_composes_with_every_engine(quick_cfg):
+def test_max_staleness_composes_with_every_engine(quick_cfg):
     for engine in ("hf", "vllm", "auto"):
         s = check_config(quick_cfg(f"rollout={engine}", ASYNC))
-        assert s.rollout.async_steps == 1
-    assert check_config(quick_cfg()).rollout.async_steps == 0  # synchronous by default
+        assert s.rollout.max_staleness == 1
+    assert check_config(quick_cfg()).rollout.max_staleness == 0  # synchronous by default

@@ -40,10 +40,10 @@ def gpu_node(monkeypatch):
 def test_a_cpu_pinned_run_on_a_gpu_node_makes_cpu_choices(gpu_node, quick_cfg, monkeypatch):
     from loorl.config import load_settings
     from loorl.rewards.model import reward_device
-    from loorl.rollout.factory import resolve_engine
-    from loorl.rollout.hf_engine import hf_decode
+    from loorl.rollout.engines.factory import resolve_engine
+    from loorl.rollout.engines.hf_engine import hf_decode
 
-    monkeypatch.setattr("loorl.rollout.factory.vllm_installed", lambda: True)
+    monkeypatch.setattr("loorl.rollout.engines.factory.vllm_installed", lambda: True)
     s = load_settings(quick_cfg("trainer.accelerator=cpu", "rollout=auto"))
     assert s.accelerator == "cpu" and not s.on_cuda
     engine, why = resolve_engine("auto", cuda=s.on_cuda)  # vllm installed, yet the faster engine

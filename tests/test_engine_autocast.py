@@ -15,9 +15,9 @@ from fixtures import tiny_parts, tiny_reward_model
 from loorl.build import build_datamodule
 from loorl.rewards import RewardComposer, WeightedReward
 from loorl.rewards.model import RewardModel
-from loorl.rollout.engine import RolloutEngine
-from loorl.rollout.hf_engine import HFEngine
-from loorl.rollout.vllm_engine import VLLMEngine
+from loorl.rollout.engines.base import RolloutEngine
+from loorl.rollout.engines.hf_engine import HFEngine
+from loorl.rollout.engines.vllm_engine import VLLMEngine
 from loorl.types import Completion
 
 

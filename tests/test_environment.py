@@ -22,7 +22,7 @@ from loorl.errors import ConfigError
 from loorl.models.tiny import build_char_tokenizer
 from loorl.rewards import RewardComposer, WeightedReward
 from loorl.rollout.datamodule import RolloutDataModule
-from loorl.rollout.engine import RolloutEngine
+from loorl.rollout.engines.base import RolloutEngine
 from loorl.rollout.multi_turn import ToolEngine
 from loorl.settings import RLSettings, RolloutSettings, ToolsSettings
 from loorl.tasks.long_sums import LongSumsTask

@@ -251,7 +251,7 @@ def test_smollm2_config_trains_the_converted_model_end_to_end(make_config, gguf_
         pytest.importorskip("vllm")
     from loorl.cli.train import train
     from loorl.models.sources import model_identity, pretrained_path
-    from loorl.rollout.engine import eos_token_ids
+    from loorl.rollout.engines.base import eos_token_ids
 
     converted = ensure_gguf_model(str(gguf_cache), "fake-pkg", "0.0.1", MEMBER)
     generation = converted / "generation_config.json"  # an instruct model's sampling defaults

@@ -26,7 +26,7 @@ from loorl.algo.logprobs import completion_logits, completion_logprobs, token_lo
 from loorl.cli.train import train, trainer_precision
 from loorl.models.tiny import ensure_tiny_model
 from loorl.rollout.batch import assemble
-from loorl.rollout.hf_engine import HFEngine
+from loorl.rollout.engines.hf_engine import HFEngine
 from loorl.types import SamplingConfig
 
 pytestmark = [pytest.mark.gpu, needs_cuda]

@@ -12,9 +12,9 @@ import torch
 
 from fixtures import tiny_model_and_prompts
 from loorl.errors import ConfigError
-from loorl.rollout.decoding import EAGER, Step, decode, one_token_logits, static_cache_length
-from loorl.rollout.engine import EngineContext
-from loorl.rollout.hf_engine import HFEngine, choose_hf_decode, hf_decode
+from loorl.rollout.engines.base import EngineContext
+from loorl.rollout.engines.decoding import EAGER, Step, decode, one_token_logits, static_cache_length
+from loorl.rollout.engines.hf_engine import HFEngine, choose_hf_decode, hf_decode
 from loorl.types import SamplingConfig
 from loorl.util.padding import pad
 
@@ -163,7 +163,7 @@ def test_auto_compiles_on_cuda_only_and_bad_choices_are_one_line(quick_cfg):
 CHILD = """
 import json, sys
 from loorl.models.load import load_causal_lm, load_tokenizer
-from loorl.rollout.hf_engine import HFEngine
+from loorl.rollout.engines.hf_engine import HFEngine
 from loorl.types import SamplingConfig
 
 path, prompts = sys.argv[1], json.loads(sys.argv[2])
@@ -266,8 +266,8 @@ def test_a_bf16_autocast_cache_is_stored_in_bf16_and_attends_to_the_same_values(
     `DynamicCache`'s: autocast rounds the attention's inputs to bf16 either way."""
     from transformers import DynamicCache
 
-    from loorl.rollout.hf_engine import _attention
-    from loorl.rollout.kv_cache import growing_cache
+    from loorl.rollout.engines.hf_engine import _attention
+    from loorl.rollout.engines.kv_cache import growing_cache
     from loorl.util.hf_compat import with_cache
 
     tok, model, ids = tiny
@@ -297,8 +297,8 @@ def test_a_cache_written_into_buffers_attends_as_a_concatenated_one(tiny, attent
     in place. Its logits are bit-identical to the concatenating cache's through a shared prefill,
     decoding steps and two leavings, and every step reads views of the same buffers (no new
     allocation of the cache: the heap is not fragmented by a new size at every token)."""
-    from loorl.rollout.decoding import shared_prefill
-    from loorl.rollout.hf_engine import _attention
+    from loorl.rollout.engines.decoding import shared_prefill
+    from loorl.rollout.engines.hf_engine import _attention
     from loorl.util.hf_compat import with_cache
 
     tok, model, ids = tiny

@@ -25,8 +25,8 @@ from loorl.cli.train import train
 from loorl.models.load import load_causal_lm, load_tokenizer
 from loorl.models.lora import AdapterFreeReference, adapter_parameters, apply_lora, is_lora
 from loorl.models.tiny import ensure_tiny_model
-from loorl.rollout.engine import PolicyWeights
-from loorl.rollout.hf_engine import HFEngine
+from loorl.rollout.engines.base import PolicyWeights
+from loorl.rollout.engines.hf_engine import HFEngine
 from loorl.settings import LORA_DEFAULT_TARGETS, LoraSettings
 
 pytest.importorskip("peft")

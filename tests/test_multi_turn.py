@@ -13,8 +13,8 @@ from fixtures import DIGIT_TAGS, DIGIT_TOOLS, ON_CPU, RESULT, tiny_parts  # ON_C
 from loorl.algo.logprobs import completion_logprobs
 from loorl.build import build_datamodule, build_module
 from loorl.rollout.batch import assemble
-from loorl.rollout.hf_engine import HFEngine
-from loorl.rollout.kept_cache import continuations
+from loorl.rollout.engines.hf_engine import HFEngine
+from loorl.rollout.engines.kept_cache import continuations
 from loorl.rollout.multi_turn import ToolEngine
 from loorl.tools.toolset import ToolSet
 from loorl.types import SamplingConfig
@@ -254,7 +254,7 @@ def test_a_turn_from_the_kept_cache_is_the_turn_a_fresh_prefill_gives(tiny, monk
     replaces (each turn prefills the whole transcript again): the same ids, results and masks, and the
     same sampler log-probs to float32 rounding, over batches with two calls and more per sample; and
     the kept path really ran (every later turn continued from a cache, none fell back)."""
-    import loorl.rollout.hf_engine as hf_engine
+    import loorl.rollout.engines.hf_engine as hf_engine
 
     _, task, _, tok, model = tiny
     kept_turns = []

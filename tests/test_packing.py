@@ -13,7 +13,7 @@ from loorl.algo.objectives import AGGREGATIONS
 from loorl.algo.packing import pack, packed_attention_mask, plan_microbatches, unit_costs
 from loorl.build import build_module
 from loorl.rollout.batch import assemble
-from loorl.rollout.hf_engine import HFEngine
+from loorl.rollout.engines.hf_engine import HFEngine
 from loorl.types import SamplingConfig
 
 

@@ -119,7 +119,7 @@ def test_a_killed_lora_run_resumes_to_the_same_run(tmp_path, model_cache):
 
 @pytest.mark.parametrize(
     "overrides",
-    [(), pytest.param(("rollout.async_steps=1", "rollout.devices=trainer"), marks=pytest.mark.slow)],
+    [(), pytest.param(("rollout.max_staleness=1", "rollout.devices=trainer"), marks=pytest.mark.slow)],
     ids=["synchronous", "one-step-off"],
 )
 def test_a_killed_run_with_dynamic_sampling_resumes_to_the_same_run(tmp_path, model_cache, overrides):
@@ -308,7 +308,7 @@ def test_a_resumed_run_logs_into_the_wandb_run_it_continues(tmp_path, model_cach
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "overrides",
-    [(), ("rollout.async_steps=1", "rollout.devices=trainer")],
+    [(), ("rollout.max_staleness=1", "rollout.devices=trainer")],
     ids=["synchronous", "one-step-off"],
 )
 def test_a_killed_run_with_tools_resumes_to_the_same_run(tmp_path, model_cache, overrides):

@@ -13,7 +13,7 @@ from loorl.algo.logprobs import completion_logits, completion_logprobs
 from loorl.build import build_datamodule, build_module
 from loorl.rollout.batch import assemble
 from loorl.rollout.datamodule import sampler_seed
-from loorl.rollout.hf_engine import HFEngine
+from loorl.rollout.engines.hf_engine import HFEngine
 from loorl.training.module import minibatch_prompts
 from loorl.types import Completion, Prompt, SamplingConfig
 

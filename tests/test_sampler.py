@@ -16,8 +16,8 @@ from loorl.algo.logprobs import filter_logits, token_entropy, token_logprobs
 from loorl.cli.train import train
 from loorl.models.load import load_causal_lm, load_tokenizer
 from loorl.models.tiny import ensure_tiny_model
-from loorl.rollout.engine import eos_token_ids
-from loorl.rollout.hf_engine import HFEngine
+from loorl.rollout.engines.base import eos_token_ids
+from loorl.rollout.engines.hf_engine import HFEngine
 from loorl.types import SamplingConfig
 
 # What an instruct model's generation_config.json may hold, made worse: every field changes sampling.
@@ -188,7 +188,7 @@ def _check_every_eos_ends(groups, ids, *, second_must_occur=True):
 
 def _engine_for(cfg, path):
     from loorl.config import load_settings
-    from loorl.rollout.factory import build_engine
+    from loorl.rollout.engines.factory import build_engine
 
     tok = load_tokenizer(str(path))
     rollout = load_settings(cfg).rollout
@@ -227,7 +227,7 @@ def test_inverse_cdf_sampling_draws_the_distribution_it_is_given():
     """The HF engine's sampler (one uniform per row, `decoding.sample_tokens`) against the exact
     probabilities: frequencies within sampling error, never a truncated (-inf) entry, a point mass
     always, and the same draws for the same seed."""
-    from loorl.rollout.decoding import sample_tokens
+    from loorl.rollout.engines.decoding import sample_tokens
 
     torch.manual_seed(0)
     logits = torch.randn(3, 50) * 2  # [3, 50]

@@ -1,4 +1,4 @@
-"""The one-step-off sampler in a process of its own (`loorl.rollout.sampler_process`): where it runs
+"""The one-step-off sampler in a process of its own (`loorl.rollout.engines.sampler_process`): where it runs
 (`rollout.devices`), that it samples what the engine would sample in this process from the same
 weights and seed, that new weights reach it, and that its failures are errors, not hangs."""
 
@@ -13,15 +13,15 @@ from loorl.errors import ConfigError
 from loorl.models.load import load_tokenizer
 from loorl.models.sources import resolve_model_path
 from loorl.parallel.launch import cpu_set
-from loorl.rollout.factory import build_engine
-from loorl.rollout.sampler_process import Placement, ProcessEngine, parse_cores, sampler_placement
+from loorl.rollout.engines.factory import build_engine
+from loorl.rollout.engines.sampler_process import Placement, ProcessEngine, parse_cores, sampler_placement
 
 TWO = {0, 1}
 
 
 # ---- where it runs ------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "devices, async_steps, cuda, cpus, expected",
+    "devices, max_staleness, cuda, cpus, expected",
     [
         ("auto", 0, False, TWO, None),  # synchronous: sampled between steps, in the training process
         ("trainer", 1, False, TWO, None),  # one step off, not overlapped
@@ -35,32 +35,32 @@ TWO = {0, 1}
         ("cuda:1", 1, True, TWO, Placement("cuda", gpu=1)),
     ],
 )
-def test_rollout_devices_place_the_sampler(devices, async_steps, cuda, cpus, expected):
-    assert sampler_placement(devices, async_steps=async_steps, cuda=cuda, cpus=cpus) == expected
+def test_rollout_devices_place_the_sampler(devices, max_staleness, cuda, cpus, expected):
+    assert sampler_placement(devices, max_staleness=max_staleness, cuda=cuda, cpus=cpus) == expected
 
 
 def test_data_parallel_ranks_each_place_their_own_sampler():
     """strategy=ddp: on CPU the ranks share the cores out already (each samples in its own process, not
     overlapped); on CUDA each rank's sampler shares that rank's GPU (resolved when it starts)."""
-    several = dict(async_steps=1, cpus=TWO, several_processes=True)
+    several = dict(max_staleness=1, cpus=TWO, several_processes=True)
     assert sampler_placement("auto", cuda=False, **several) is None
     assert sampler_placement("auto", cuda=True, **several) == Placement("cuda", gpu=None)
     assert sampler_placement("trainer", cuda=True, **several) is None
 
 
 @pytest.mark.parametrize(
-    "devices, async_steps, message",
+    "devices, max_staleness, message",
     [
-        ("cpu:1", 0, "rollout.devices=cpu:1 places the one-step-off sampler .* set rollout.async_steps=1"),
+        ("cpu:1", 0, "rollout.devices=cpu:1 places the one-step-off sampler .* set rollout.max_staleness=1"),
         ("cpu:0,1", 1, "takes every core this process may use, leaving none for training"),
         ("cpu:7", 1, "names core 7, which this process may not use \\(its cores: 0,1\\)"),
         ("cpu:x", 1, "rollout.devices=cpu:x names no cores: give them as cpu:1"),
         ("gpu:1", 1, "rollout.devices=gpu:1 is not one of: auto | trainer | cpu:"),
     ],
 )
-def test_rollout_devices_that_cannot_run_are_one_line(devices, async_steps, message):
+def test_rollout_devices_that_cannot_run_are_one_line(devices, max_staleness, message):
     with pytest.raises(ConfigError, match=message) as err:
-        sampler_placement(devices, async_steps=async_steps, cuda=False, cpus=TWO)
+        sampler_placement(devices, max_staleness=max_staleness, cuda=False, cpus=TWO)
     assert "\n" not in str(err.value)
 
 
@@ -70,7 +70,7 @@ def test_cores_are_parsed_as_taskset_lists():
 
 
 def test_rollout_devices_compose_and_are_checked_before_any_model_loads(quick_cfg):
-    s = check_config(quick_cfg("rollout.async_steps=1", "rollout.devices=trainer"))
+    s = check_config(quick_cfg("rollout.max_staleness=1", "rollout.devices=trainer"))
     assert s.rollout.devices == "trainer"
     assert check_config(quick_cfg()).rollout.devices == "auto"  # the default
     with pytest.raises(ConfigError, match="rollout.devices=cpu:0 places the one-step-off sampler"):

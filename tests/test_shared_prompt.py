@@ -10,7 +10,7 @@ import torch
 from fixtures import tiny_model_and_prompts
 from loorl.algo.logprobs import completion_logits, completion_logprobs, token_logprobs
 from loorl.rollout.batch import assemble
-from loorl.rollout.hf_engine import HFEngine
+from loorl.rollout.engines.hf_engine import HFEngine
 from loorl.types import Completion, SamplingConfig
 
 

@@ -9,6 +9,7 @@ reason otherwise. A cluster already up is used and left up; one the tests start 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 CLUSTER = ROOT / "scripts" / "slurm" / "cluster.sh"
 BATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
+SERVERS_BATCH = ROOT / "scripts" / "slurm" / "servers.sbatch"
 QUICK = ["debug=quick", *ON_CPU]
 LONG = [*QUICK, "rl.steps=200", "val_every=50", "val_pass_k=0", "checkpoint_every=20"]
 
@@ -125,3 +127,33 @@ def test_a_hydra_sweep_runs_as_slurm_jobs_through_submitit(slurm_env, tmp_path):
         assert (sweep / job / "summary.md").exists(), job
         assert f"seed: {job}" in (sweep / job / "config.yaml").read_text()
     assert len(list((sweep / ".submitit").glob("*_[01]/*_log.out"))) == 2  # two SLURM jobs ran them
+
+
+def test_the_servers_batch_script_trains_with_a_vllm_server_beside_it(slurm_env, tmp_path):
+    """scripts/slurm/servers.sbatch on the one-node cluster: a vLLM server (scripts/serve.py) and the
+    trainer share the node, the trainer waits for the server and trains one step behind it."""
+    pytest.importorskip("vllm")
+    run, log = tmp_path / "run", tmp_path / "job.out"
+    env = dict(slurm_env, LOORL_RUN_DIR=str(run), LOORL_SERVER_PORT=str(_free_port()))
+    overrides = ["debug=quick", "trainer.accelerator=cpu", "rollout.max_staleness=1"]
+    cmd = ["sbatch", "--parsable", f"--output={log}", "--wait", str(SERVERS_BATCH), *overrides]
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, log.read_text()[-3000:]
+    record = job_record(slurm_env, _job_id(done))
+    for _ in range(30):  # the servers' step may still be ending (COMPLETING) when sbatch --wait returns
+        if record["JobState"] != "COMPLETING":
+            break
+        time.sleep(1)
+        record = job_record(slurm_env, _job_id(done), show=False)
+    assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0")
+    lags = json.loads((run / "metrics.json").read_text())["history"]["rollout/policy_lag"]
+    assert [v for _, v in lags] == [0.0, 1.0, 1.0, 1.0]
+    assert list(run.glob("server-*.log")), sorted(p.name for p in run.iterdir())
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

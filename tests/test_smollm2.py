@@ -20,7 +20,7 @@ from loorl.cli.train import train
 from loorl.models.gguf import CONVERSION_RECORD
 from loorl.models.load import load_tokenizer
 from loorl.models.sources import ensure_gguf
-from loorl.rollout.engine import eos_token_ids
+from loorl.rollout.engines.base import eos_token_ids
 
 pytestmark = pytest.mark.slow
 

@@ -6,20 +6,19 @@ from collections import Counter
 
 import pytest
 import torch
-from hydra.utils import instantiate
 
-from fixtures import DIGIT_TOOLS, RESULT
+from fixtures import DIGIT_TOOLS, RESULT, follows_one_optimizer_step, policy_and_rollouts
+from fixtures import token_ids_of as _ids
 from loorl.algo.logprobs import completion_logprobs
-from loorl.build import build_datamodule, build_module
+from loorl.build import build_datamodule
 from loorl.cli.train import train
 from loorl.config import load_settings
 from loorl.errors import ConfigError
-from loorl.models.load import load_tokenizer
 from loorl.models.tiny import ensure_tiny_model
 from loorl.rollout.batch import assemble
-from loorl.rollout.engine import PolicyWeights
-from loorl.rollout.factory import build_engine, resolve_engine
-from loorl.rollout.hf_engine import HFEngine
+from loorl.rollout.engines.base import PolicyWeights
+from loorl.rollout.engines.factory import build_engine, resolve_engine
+from loorl.rollout.engines.hf_engine import HFEngine
 from loorl.rollout.multi_turn import ToolEngine
 from loorl.tools.calculator import Calculator
 from loorl.tools.toolset import BoundTool, ToolSet
@@ -31,55 +30,12 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module")
 def setup(quick_config):
     cfg = quick_config("rollout=vllm")
-    task = instantiate(cfg.task)
-    path = str(ensure_tiny_model(cfg.model, cfg.task, task))
-    tok = load_tokenizer(path)
-    module = build_module(cfg, path)
-    module.configure_model()
-    dm = build_datamodule(cfg, task, tok, path)
-    return cfg, task, tok, module, dm
-
-
-def _ids(tok, prompts):
-    return [tok(p.text, add_special_tokens=False).input_ids for p in prompts]
-
-
-def _vllm_follows_one_optimizer_step(setup, weights) -> dict:
-    """One real RLOO step (vLLM rollout, loss, AdamW on what trains), then: after the sync vLLM's greedy
-    tokens are the HF policy's and its log-probs the trainer's to 1e-4; before it, it sampled from the
-    old weights (> 1e-3). `weights(policy)`: what `sync` receives. Returns the step's metrics."""
-    cfg, task, tok, module, dm = setup
-    engine = dm.engine
-    engine.sync(weights(module.policy), version=0)
-    batch, metrics = module.prepare(dm.collect(step=0).batch)
-    assert (batch.completion_mask.sum(-1) > 0).all()
-    opt = torch.optim.AdamW([p for p in module.policy.parameters() if p.requires_grad], lr=1e-2)
-    module.accumulate_gradients(batch, lambda loss: loss.backward())
-    opt.step()
-    opt.zero_grad()
-
-    prompts = _ids(tok, task.eval_prompts()[:40])
-    stale = engine.generate(prompts, n=4)
-    engine.sync(weights(module.policy), version=1)
-    hf = HFEngine(engine.sampling, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
-    hf.sync(module.policy)
-    vllm_greedy = [g[0].token_ids for g in engine.generate(prompts, n=1, greedy=True)]
-    assert vllm_greedy == [g[0].token_ids for g in hf.generate(prompts, n=1, greedy=True)]
-
-    def max_mismatch(groups):
-        b = assemble(prompts, groups, pad_token_id=tok.pad_token_id, rewards=torch.zeros(40, 4))
-        with torch.no_grad():
-            lp = completion_logprobs(module.policy, b, sampling=engine.sampling)
-        return (lp - b.sampler_logprobs)[b.completion_mask.bool()].abs().max().item()
-
-    assert max_mismatch(engine.generate(prompts, n=4)) < 1e-4
-    assert max_mismatch(stale) > 1e-3
-    return metrics
+    return policy_and_rollouts(cfg)
 
 
 def test_vllm_follows_the_policy_after_an_optimizer_step(setup):
     assert setup[-1].engine.name == "vllm"
-    _vllm_follows_one_optimizer_step(setup, lambda policy: policy)
+    follows_one_optimizer_step(setup, lambda policy: policy)
 
 
 def test_vllm_training_run_and_mismatch_metrics(quick_config, tmp_path):
@@ -97,18 +53,13 @@ def test_vllm_training_run_and_mismatch_metrics(quick_config, tmp_path):
 def lora_setup(quick_config):
     pytest.importorskip("peft")
     cfg = quick_config("rollout=vllm", "model.lora={r: 8}", "kl.coef=0.05")
-    task = instantiate(cfg.task)
-    path = str(ensure_tiny_model(cfg.model, cfg.task, task))
-    tok = load_tokenizer(path)
-    module = build_module(cfg, path)
-    module.configure_model()
-    return cfg, task, tok, module, build_datamodule(cfg, task, tok, path)
+    return policy_and_rollouts(cfg)
 
 
 def test_vllm_samples_the_merged_lora_policy_after_an_optimizer_step(lora_setup):
     """The merged weights (W + (B @ A) * scale under the base model's names) reach vLLM at every sync: its
     greedy tokens are the HF adapted policy's and its log-probs the trainer's, to float32 noise."""
-    metrics = _vllm_follows_one_optimizer_step(lora_setup, PolicyWeights)
+    metrics = follows_one_optimizer_step(lora_setup, PolicyWeights)
     assert metrics["rollout/kl"] == 0.0  # step 0: B = 0
 
 
@@ -149,9 +100,9 @@ def test_head_size_vllm_cpu_cannot_run_fails_before_any_model(quick_config, tmp_
 
 
 def test_vllm_not_installed_is_one_clear_line(quick_config, tmp_path, monkeypatch):
-    import loorl.rollout.vllm_engine
+    import loorl.rollout.engines.vllm_engine
 
-    monkeypatch.setattr(loorl.rollout.vllm_engine, "vllm_installed", lambda: False)
+    monkeypatch.setattr(loorl.rollout.engines.vllm_engine, "vllm_installed", lambda: False)
     cfg = quick_config(f"model.cache_dir={tmp_path / 'cache'}", "rollout=vllm", output_dir=tmp_path / "o")
     with pytest.raises(ConfigError, match=r"rollout.engine=vllm needs the vllm package: pip install"):
         train(cfg)
@@ -161,7 +112,7 @@ def test_vllm_not_installed_is_one_clear_line(quick_config, tmp_path, monkeypatc
 def test_weights_stream_to_the_engine_in_its_dtype():
     """float32 master weights into a bf16 engine are cast as they stream (vLLM would cast each one
     itself, with a warning per tensor per step); integer buffers pass through."""
-    from loorl.rollout.vllm_engine import VLLMEngine
+    from loorl.rollout.engines.vllm_engine import VLLMEngine
     from loorl.types import SamplingConfig
 
     weights = [("w", torch.randn(3, 2)), ("steps", torch.arange(3))]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loorl.rollout.vllm_engine import VLLMEngine
+from loorl.rollout.engines.vllm_engine import VLLMEngine
 from loorl.types import SamplingConfig
 
 

@@ -13,7 +13,7 @@ import torch
 from fixtures import tiny_parts
 from loorl.algo.logprobs import can_share_prompt, completion_scores
 from loorl.rollout.batch import assemble
-from loorl.rollout.hf_engine import HFEngine
+from loorl.rollout.engines.hf_engine import HFEngine
 from loorl.types import SamplingConfig
 from loorl.util import hf_compat
 from warning_origins import SRC, loorl_deprecations

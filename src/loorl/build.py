@@ -23,8 +23,8 @@ from loorl.models.load import load_tokenizer
 from loorl.models.sources import model_identity, resolve_model_path
 from loorl.rewards import build_composer
 from loorl.rollout.datamodule import RolloutDataModule
-from loorl.rollout.factory import build_engine, engine_class
-from loorl.rollout.sampler_process import ProcessEngine
+from loorl.rollout.engines.factory import build_engine, engine_class
+from loorl.rollout.engines.sampler_process import ProcessEngine
 from loorl.tasks.base import Task
 from loorl.training.checkpoints import run_identity
 from loorl.training.module import PolicyGradientModule
@@ -87,6 +87,7 @@ def build_rollout_engine(s: Settings, tokenizer, model_path: str):
         share_prompt=s.rl.share_prompt,
         cuda=s.on_cuda,
         completion_tokens=s.completion_tokens,
+        model=s.model,
     )
 
 

@@ -16,8 +16,8 @@ from loorl.errors import ConfigError
 from loorl.models.lora import check_lora
 from loorl.models.sources import check_model_reachable, pretrained_path
 from loorl.parallel.distributed import check_world_divides
-from loorl.rollout.engine import EngineContext
-from loorl.rollout.factory import engine_class
+from loorl.rollout.engines.base import EngineContext
+from loorl.rollout.engines.factory import engine_class
 from loorl.settings import (
     EnvironmentSettings,
     EstimatorSettings,
@@ -222,10 +222,13 @@ def sampler_placement_of(s: Settings):
     """Where the run's one-step-off sampler runs (`rollout.devices`): a `Placement`, or None (in the
     training process)."""
     from loorl.parallel.launch import cpu_set
-    from loorl.rollout.sampler_process import sampler_placement
+    from loorl.rollout.engines.sampler_process import sampler_placement
 
+    cls, _ = engine_class(s.rollout, cuda=s.on_cuda)
+    if cls.samples_apart:  # it samples outside the training process already (vLLM servers)
+        return None
     several = s.strategy != "auto"  # ddp: one sampler per rank, placed beside it
-    return sampler_placement(s.rollout.devices, async_steps=s.rollout.async_steps, cuda=s.on_cuda,
+    return sampler_placement(s.rollout.devices, max_staleness=s.rollout.max_staleness, cuda=s.on_cuda,
                              cpus=cpu_set(), several_processes=several)  # fmt: skip
 
 
@@ -257,11 +260,11 @@ def check_parallel(cfg: DictConfig, s: Settings) -> None:
                 "need a data-parallel strategy; add strategy=ddp or strategy=fsdp"
             )
         return
-    if s.rollout.async_steps and kind == "fsdp":
+    if s.rollout.max_staleness and kind == "fsdp":
         raise ConfigError(
-            f"rollout.async_steps={s.rollout.async_steps} is not supported with strategy=fsdp yet (the "
+            f"rollout.max_staleness={s.rollout.max_staleness} is not supported with strategy=fsdp yet (the "
             "rollouts sampled ahead would have to go into its sharded checkpoint): use strategy=ddp, or "
-            "rollout.async_steps=0"
+            "rollout.max_staleness=0"
         )
     if isinstance(devices, int) or str(devices).isdigit():  # "auto" / -1: known once launched (checked then)
         world, where = int(devices) * nodes, f"trainer.devices={devices} x trainer.num_nodes={nodes}"

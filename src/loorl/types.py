@@ -58,6 +58,11 @@ class Completion:
     # an environment's `get_reward()` (`environment._target_`): NaN where it failed (unscorable); None:
     # the reward functions grade the sample
     reward: float | None = None
+    # a vLLM server's weight versions over its tokens (`rollout.server`): the oldest policy version that
+    # sampled any of them, and whether a weight update fell inside it (`pause: keep`); None: the version
+    # the request was sent with
+    version: int | None = None
+    spans_versions: bool = False
 
     @property
     def inserted(self) -> int:
@@ -160,7 +165,7 @@ class Rollout:
     batch: RolloutBatch
     stats: dict[str, float] = field(default_factory=dict)
     policy_version: int | None = None  # the RL steps of training behind the weights that sampled it;
-    # None: `step` (on-policy). One step off (rollout.async_steps=1): step - 1 from the second step on
+    # None: `step` (on-policy). rollout.max_staleness=N: step - N from step N on (the oldest sample's)
 
     @property
     def policy_lag(self) -> int:

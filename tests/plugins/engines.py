@@ -11,7 +11,7 @@ import os
 import torch
 
 from loorl.errors import ConfigError
-from loorl.rollout.engine import EngineContext, PolicyWeights, RolloutEngine
+from loorl.rollout.engines.base import EngineContext, PolicyWeights, RolloutEngine
 from loorl.types import Completion, SamplingConfig
 from loorl.util.padding import pad
 

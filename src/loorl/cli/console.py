@@ -37,13 +37,23 @@ def launch(config_name: str, main) -> None:
     hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name=config_name)(main)()
 
 
+def _to_log_files(err: BaseException) -> None:
+    """`err` with its traceback into the log files only (train.log), not the console."""
+    record = log.makeRecord(
+        log.name, logging.ERROR, __file__, 0, "%s", (err,), (type(err), err, err.__traceback__)
+    )
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+
+
 def run_cli(fn, cfg):
     """A command's body as the CLI runs it: quiet libraries; oneDNN's cache capped before the job's
     first product (`loorl.util.onednn`); a bad setting prints one `error:` line and exits 2 (no
     traceback)."""
     import os
 
-    from loorl.errors import ConfigError
+    from loorl.errors import ConfigError, ServersLost
     from loorl.parallel.distributed import is_distributed, lost_peer, rank_and_world
     from loorl.util.onednn import cap_onednn_primitive_cache
 
@@ -55,6 +65,10 @@ def run_cli(fn, cfg):
     except ConfigError as err:
         print(f"error: {err}")
         raise SystemExit(2) from None
+    except ServersLost as err:
+        _to_log_files(err)  # the traceback in the run's log file, one line on the console
+        print(f"error: {err}")
+        raise SystemExit(1) from None
     except Exception as err:
         lost = lost_peer(err) if is_distributed() else None
         if lost is None:

@@ -32,7 +32,7 @@ from loorl.cli.lm_harness import (
 from loorl.config import check_config
 from loorl.errors import ConfigError
 from loorl.models.sources import model_identity, model_label
-from loorl.rollout.sync import EngineSync
+from loorl.rollout.engines.sync import EngineSync
 from loorl.settings import EvalSettings
 from loorl.training.callbacks import SampleLog
 from loorl.training.checkpoints import IDENTITY_KEY, lora_identity, read_checkpoint

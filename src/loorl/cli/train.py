@@ -18,7 +18,7 @@ from loorl.config import check_config
 from loorl.models.sources import model_label
 from loorl.parallel.distributed import shutdown
 from loorl.parallel.launch import configure_threads
-from loorl.rollout.sync import EngineSync
+from loorl.rollout.engines.sync import EngineSync
 from loorl.training.callbacks import HFExport, PhaseMemory, RunSummary, SampleLog, TrimFreedMemory
 from loorl.training.checkpoints import (
     AtomicCheckpointIO,

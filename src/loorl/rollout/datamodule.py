@@ -38,7 +38,7 @@ from loorl.rewards import TASK_VERIFIER, RewardComposer, WeightedReward, correct
 from loorl.rewards.shaping import overlong_penalty
 from loorl.rollout.batch import assemble, concatenate
 from loorl.rollout.dynamic_sampling import Choice, SetAside, choose_groups, groups_with_signal
-from loorl.rollout.engine import RolloutEngine
+from loorl.rollout.engines.base import RolloutEngine
 from loorl.rollout.multi_turn import (
     environment_rewards,
     row_of,
@@ -96,12 +96,23 @@ class Submitted:
     prompts: list[Prompt]
     prompt_ids: list[list[int]]
     policy_version: int
+    ticket: int = 0  # the engine's handle on the request (`RolloutEngine.receive`)
 
 
-def lagged(rollout: Rollout, policy_version: int) -> Rollout:
-    """`rollout`, marked as sampled by the weights of step `policy_version` (its lag logged)."""
-    rollout.policy_version = policy_version
+def lagged(rollout: Rollout, policy_version: int, groups: list[list[Completion]] | None = None) -> Rollout:
+    """`rollout`, marked as sampled by the weights of step `policy_version` (its lag logged). An engine
+    that reports each sample's own oldest version (`Completion.version`: a server whose weights were
+    updated while it sampled) moves the rollout's version to the oldest of them; the samples' lags are
+    counted (`staleness/samples_lag_<k>`) and the samples that span two versions."""
+    samples = [c for g in groups for c in g] if groups is not None else []
+    versions = [policy_version if c.version is None else c.version for c in samples]
+    if not samples:  # sampled here: every sample with these weights
+        versions = [policy_version] * (rollout.batch.num_groups * rollout.batch.samples_per_prompt)
+    rollout.policy_version = min(versions)
     rollout.stats["rollout/policy_lag"] = float(rollout.policy_lag)
+    for lag in sorted({rollout.step - v for v in versions}):  # this rank's samples by their lag
+        rollout.stats[f"staleness/samples_lag_{lag}"] = float(sum(rollout.step - v == lag for v in versions))
+    rollout.stats["staleness/spanning_samples"] = float(sum(c.spans_versions for c in samples))
     return rollout
 
 
@@ -143,7 +154,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.estimator = estimator or estimators.get("rloo")
         self.overlong = overlong or OverlongSettings()
         self.completion_tokens = completion_tokens or rollout.max_new_tokens  # the overlong penalty's limit
-        # one step off: the next step's rollout, sampled ahead (Submitted while the engine samples it)
+        # rollout.max_staleness > 0: the next steps' rollouts, sampled ahead (Submitted while the engine
+        # samples them)
         self.pending: dict[int, Rollout | Submitted] = {}
 
     # ---- prompts -------------------------------------------------------------------------------
@@ -187,7 +199,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.eval_prompts = self.held_out_prompts()[rank::world]  # sharded; accuracy is reduced by the
         # learner's MeanMetric (sums and counts over ranks)
         self.encode_prompts(self.eval_prompts)  # fail early on over-long prompts
-        if self.settings.async_steps and stage in ("fit", "validate"):  # (the run validates step 0 first)
+        if self.settings.max_staleness and stage in ("fit", "validate"):  # (the run validates step 0 first)
             self.engine.start()  # a sampler process of its own (rollout.devices) starts up meanwhile
 
     def detokenize(self, groups: list[list[Completion]]) -> list[list[str]]:
@@ -197,26 +209,59 @@ class RolloutDataModule(L.LightningDataModule):
     # ---- one RL iteration ----------------------------------------------------------------------
     @torch.no_grad()
     def collect(self, step: int) -> Rollout:
-        """Step `step`'s rollout. Synchronous (`rollout.async_steps=0`): its prompts, K completions each
+        """Step `step`'s rollout. Synchronous (`rollout.max_staleness=0`): its prompts, K completions each
         from the engine's current weights (step `step`'s), their grades.
 
-        One step off (`async_steps=1`): the rollout sampled during the previous step, with that step's
-        weights (one policy version old), and step `step + 1`'s sampled now, with these weights, kept
-        for the next step (and in the checkpoint: `state_dict`). Each rollout's prompts and sampler
-        seed are those of its own step, as in the synchronous loop, and its weights are those of the
-        step before: the result does not depend on timing. The first step has nothing older and
-        samples its own (lag 0)."""
-        if not self.settings.async_steps:
-            return self.fill(self._sample(step))
+        Bounded staleness (`max_staleness=N`, N >= 1): the rollout that was asked for N steps before, with
+        the weights of that step (N policy versions old; fewer in the first N steps), and step `step + N`'s
+        asked for now, with these weights, kept for that step (and in the checkpoint: `state_dict`).
+        N=1 is one step off. Each rollout's prompts and sampler seed are those of its own step, as in the
+        synchronous loop, and its weights those of step `step - N`: the result does not depend on timing.
+        The first step has nothing older and samples its own (lag 0), then asks for steps 1..N.
+        A rollout older than N versions (a checkpoint's, resumed with a smaller N) is dropped, counted
+        (`staleness/dropped_samples`) and sampled again with this step's weights."""
+        bound = self.settings.max_staleness
+        if not bound:
+            rollout = self.fill(self._sample(step))
+            rollout.stats |= self.weight_sync_stats()
+            return rollout
         current = self.pending.pop(step, None)
+        if isinstance(current, Submitted):
+            current = self._receive(current)
+        dropped = 0
+        if current is not None and current.policy_lag > bound:
+            dropped = current.batch.num_groups * current.batch.samples_per_prompt
+            current = None
         if current is None:  # the first step (or a resume without a rollout ahead): its own, lag 0, sampled
             current = self._sample(step, policy_version=step)  # here while a sampler process starts up
-        elif isinstance(current, Submitted):
-            current = self._receive(current)
+        current.stats["staleness/dropped_samples"] = float(all_reduce(dropped))
+        current.stats |= self.weight_sync_stats()
         current = self.fill(current)  # further rounds with this step's weights, before the next is asked for
-        if step + 1 < self.rl.steps:
-            self.pending[step + 1] = self._submit(step + 1, policy_version=step)
+        self._submit_ahead(step)
         return current
+
+    def weight_sync_stats(self) -> dict[str, float]:
+        """The last weight update's seconds and bytes, for an engine that copies weights to servers."""
+        engine = getattr(self.engine, "inner", self.engine)  # (tools wrap the engine)
+        if not hasattr(engine, "update_seconds"):
+            return {}
+        return {
+            "perf/weight_sync_seconds": engine.update_seconds,
+            "perf/weight_sync_bytes": float(engine.update_bytes),
+        }
+
+    def _submit_ahead(self, step: int) -> None:
+        """Ask for the rollouts of steps `step + 1` .. `step + max_staleness` not yet asked for, with this
+        step's weights; an engine that holds fewer requests at once (`max_in_flight`: a sampler process
+        holds one) has its oldest received first."""
+        last = min(step + self.settings.max_staleness, self.rl.steps - 1)
+        for ahead in range(step + 1, last + 1):
+            if ahead in self.pending:
+                continue
+            asked = sorted(s for s, p in self.pending.items() if isinstance(p, Submitted))
+            if len(asked) >= self.engine.max_in_flight:
+                self.pending[asked[0]] = self._receive(self.pending[asked[0]])
+            self.pending[ahead] = self._submit(ahead, policy_version=step)
 
     def fill(self, first: Rollout) -> Rollout:
         """Dynamic sampling (`rl.dynamic_sampling`; the rollout itself when off): groups of `first` (the
@@ -307,16 +352,17 @@ class RolloutDataModule(L.LightningDataModule):
         prompt_ids = self.encode_prompts(prompts)
         with engine_precision(self.engine, self.trainer):
             seed = self.sampler_seed("rollout", step)
-            self.engine.submit(prompt_ids, n=self.rl.samples_per_prompt, seed=seed, **self.rows(prompts))
-        return Submitted(step, prompts, prompt_ids, policy_version)
+            k = self.rl.samples_per_prompt
+            ticket = self.engine.submit(prompt_ids, n=k, seed=seed, **self.rows(prompts))
+        return Submitted(step, prompts, prompt_ids, policy_version, ticket)
 
     def _receive(self, submitted: Submitted) -> Rollout:
         """The rollout `submitted`, graded. Sampled in the background, its `perf/gen_seconds` is how long
         the trainer waited for it, `perf/sampler_gen_seconds` the sampler's."""
-        groups, gen_seconds = self.engine.receive()
+        groups, gen_seconds = self.engine.receive(submitted.ticket)
         rollout = self.grade(submitted.prompts, submitted.prompt_ids, groups, gen_seconds=gen_seconds,
                              step=submitted.step)  # fmt: skip
-        lagged(rollout, submitted.policy_version)
+        lagged(rollout, submitted.policy_version, groups)
         if self.engine.wait_seconds is not None:  # sampled in the background: the step's gen phase is the
             # wait, and the sampler's own seconds (its tokens/s) are logged beside it
             rollout.stats["perf/sampler_gen_seconds"] = gen_seconds
@@ -327,8 +373,8 @@ class RolloutDataModule(L.LightningDataModule):
     # dicts of tensors and numbers: Lightning loads checkpoints with torch.load(weights_only=True)
     def state_dict(self) -> dict:
         state = {}
-        if self.settings.async_steps:
-            for step, entry in self.pending.items():  # a rollout still being sampled is waited for
+        if self.settings.max_staleness:
+            for step, entry in sorted(self.pending.items()):  # a rollout still being sampled is waited for
                 if isinstance(entry, Submitted):
                     self.pending[step] = self._receive(entry)
             mine = {step: rollout_to_dict(r) for step, r in self.pending.items()}
@@ -341,7 +387,7 @@ class RolloutDataModule(L.LightningDataModule):
 
     def load_state_dict(self, state: dict) -> None:
         self.task.load_state_dict(state.get("task", {}))
-        if not self.settings.async_steps or not state.get("pending_by_rank", state.get("pending")):
+        if not self.settings.max_staleness or not state.get("pending_by_rank", state.get("pending")):
             self.pending = {}  # a synchronous run's
             return
         rank, world = rank_and_world()

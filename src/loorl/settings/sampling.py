@@ -26,9 +26,9 @@ from loorl.types import SamplingConfig
 class RolloutSettings(Section):
     """`rollout`: the engine, its sampler and the rollout's limits. The engine's own settings (`vllm`,
     `hf_attention`, `hf_decode`, a plug-in's `options`) are checked by the engine class
-    (`loorl.rollout.engine`)."""
+    (`loorl.rollout.engines.base`)."""
 
-    engine: str = "auto"  # hf | vllm | auto; ignored when `_target_` names an engine class
+    engine: str = "auto"  # hf | vllm | vllm_server | auto; ignored when `_target_` names an engine class
     target: str | None = None  # `_target_` in YAML: package.module.Class, a RolloutEngine subclass
     max_new_tokens: PositiveInt = 16
     temperature: PositiveFloat = 1.0
@@ -38,11 +38,12 @@ class RolloutSettings(Section):
     max_prompt_length: PositiveInt = 256
     batch_size: PositiveInt = 512
     eval_batch_size: PositiveInt = 256
-    hf_attention: str = "auto"  # the HF engine's attention (its choices: loorl.rollout.hf_engine)
-    hf_decode: str = "auto"  # the HF engine's key/value cache and compilation (loorl.rollout.hf_engine)
+    hf_attention: str = "auto"  # the HF engine's attention (its choices: loorl.rollout.engines.hf_engine)
+    hf_decode: str = "auto"  # the HF engine's key/value cache and compiling (loorl.rollout.engines.hf_engine)
     vllm: dict[str, Any] | None = None  # the vLLM engine's block (rollout=hf has none)
+    server: dict[str, Any] | None = None  # the vLLM server engine's block (rollout=vllm_server)
     options: dict[str, Any] = Field(default_factory=dict)  # a `_target_` engine's own settings
-    async_steps: Literal[0, 1] = 0  # 1: one step off (step t+1 sampled with step t's weights)
+    max_staleness: NonNegativeInt = 0  # N: step t+N is sampled with step t's weights (1: one step off)
     devices: str = "auto"  # the one-step-off sampler's place: auto | trainer | cpu:<cores> | cuda:<gpu>
 
     def __post_init__(self) -> None:

@@ -1,5 +1,5 @@
 """What a run leaves behind: the learning-curve plot, the markdown summary, the validation samples
-and the HF export. (The engine's weight sync is `loorl.rollout.sync`; the graceful stop on SIGTERM
+and the HF export. (The engine's weight sync is `loorl.rollout.engines.sync`; the graceful stop on SIGTERM
 sits with the checkpoints, `loorl.training.checkpoints`.)"""
 
 from __future__ import annotations
@@ -147,12 +147,24 @@ class RunSummary(L.Callback):
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         epoch_values = {}  # a metric logged on step and epoch appears as `x`, `x_step` and `x_epoch`
-        recorded = ("rollout/", "perf/", "train/", "dynamic/", "tools/", "curriculum/")
+        recorded = ("rollout/", "perf/", "train/", "dynamic/", "tools/", "curriculum/", "staleness/")
         for key, value in logged_this_epoch(trainer).items():
             if key.startswith(recorded) and not key.endswith("_step"):
                 epoch_values[key.removesuffix("_epoch")] = value
         for key, value in epoch_values.items():
             self._record(key, trainer.current_epoch, value)
+
+    def staleness(self) -> dict[str, float]:
+        """rollout.max_staleness > 0: the run's version-lag histogram (samples trained at each lag), the
+        largest lag, the samples dropped for being too old and those whose tokens span two versions."""
+        prefix = "staleness/samples_lag_"
+        lags = sorted(int(k.removeprefix(prefix)) for k in self.history if k.startswith(prefix))
+        out = {f"staleness_samples_lag_{lag}": sum(self.series(f"{prefix}{lag}")) for lag in lags}
+        if lags:
+            out["staleness_lag_max"] = float(max(lags))
+            out["staleness_dropped_samples"] = sum(self.series("staleness/dropped_samples"))
+            out["staleness_spanning_samples"] = sum(self.series("staleness/spanning_samples"))
+        return out
 
     def series(self, key: str) -> list[float]:
         return [v for _, v in self.history.get(key, [])]
@@ -188,6 +200,7 @@ class RunSummary(L.Callback):
                     "inserted_tokens"):  # fmt: skip  # multi-turn rollouts with tools: per-step means
             out[f"tools_{key}_mean"] = _mean(self.series(f"tools/{key}"))
         out["tools_seconds_mean"] = _mean(self.series("perf/tool_seconds"))
+        out |= self.staleness()
         out |= peak_memory_gb()  # this rank's (rank 0 writes the summary)
         for phase in ("step", *PHASES):  # medians: the first steps pay one-off costs (allocation, caches)
             values = self.series(f"perf/{phase}_seconds")

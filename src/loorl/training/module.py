@@ -199,7 +199,7 @@ class PolicyGradientModule(L.LightningModule):
         """Old and reference log-probs, the KL penalty and the advantages of a rollout batch.
 
         `stale`: the batch was sampled with older weights than the policy's (one step off,
-        `rollout.async_steps=1`). Its old log-probs are then the sampler's, those of the policy that
+        `rollout.max_staleness=1`). Its old log-probs are then the sampler's, those of the policy that
         produced the samples, so the importance ratio pi / pi_sampler corrects for the lag (the
         clipped surrogate; `auto` picks it whenever old log-probs are set).
 

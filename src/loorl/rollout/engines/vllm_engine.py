@@ -39,7 +39,7 @@ from pydantic.dataclasses import dataclass
 
 from loorl.errors import ConfigError
 from loorl.parallel.distributed import rank_and_world
-from loorl.rollout.engine import EngineContext, PolicyWeights, RolloutEngine
+from loorl.rollout.engines.base import EngineContext, PolicyWeights, RolloutEngine
 from loorl.settings import SCHEMA, Dtype, Fraction, PositiveFloat, PositiveInt, RolloutSettings, Section
 from loorl.types import Completion, SamplingConfig
 from loorl.util.hardware import cuda_available

@@ -10,7 +10,7 @@ distribution from the one the trainer scores; here the sampler is `logprobs.filt
 very function the trainer scores with; (3) the n samples of a prompt share one prefill.
 
 The key/value cache is transformers' `DynamicCache` (grown at every token, stored in the compute
-dtype) or a preallocated one (`loorl.rollout.kv_cache`); `loorl.rollout.hf_engine` picks which
+dtype) or a preallocated one (`loorl.rollout.engines.kv_cache`); `loorl.rollout.engines.hf_engine` picks which
 (`rollout.hf_decode`).
 """
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from loorl.rollout.kv_cache import StaticCachePool, growing_cache, preallocated_cache
+from loorl.rollout.engines.kv_cache import StaticCachePool, growing_cache, preallocated_cache
 from loorl.types import SamplingConfig
 from loorl.util.hf_compat import with_cache
 

@@ -1,6 +1,6 @@
-"""The one-step-off sampler in a process of its own (`rollout.async_steps=1`, `rollout.devices`).
+"""The one-step-off sampler in a process of its own (`rollout.max_staleness=1`, `rollout.devices`).
 
-With `async_steps=1` step t+1's rollout is sampled with step t's weights while step t trains. For the
+With `max_staleness=1` step t+1's rollout is sampled with step t's weights while step t trains. For the
 two to run at the same time they must not share an interpreter (the GIL) nor a pool of threads: the
 engine runs in a spawned process, `serve`, on cores (or a GPU) of its own, and the trainer keeps the
 rest. What crosses between the two:
@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from loorl.errors import ConfigError
-from loorl.rollout.engine import PolicyWeights, RolloutEngine
+from loorl.rollout.engines.base import PolicyWeights, RolloutEngine
 from loorl.types import Completion
 
 log = logging.getLogger(__name__)
@@ -92,23 +92,23 @@ def parse_cores(text: str, setting: str = "rollout.devices") -> tuple[int, ...]:
     return tuple(sorted(cores))
 
 
-def sampler_placement(devices: str, *, async_steps: int, cuda: bool, cpus: set[int], gpu: int | None = None,
+def sampler_placement(devices: str, *, max_staleness: int, cuda: bool, cpus: set[int], gpu: int | None = None,
                       several_processes: bool = False) -> Placement | None:  # fmt: skip
     """`rollout.devices` -> the sampler process's placement, or None: the sampler runs in the training
     process. `cpus`: the cores this process may use; `gpu`: the trainer's CUDA device (None: the
     current one when the sampler starts, for auto); `several_processes`: a data-parallel run (ddp),
     where each rank has a sampler of its own.
 
-    auto: with `async_steps=1`, a process of its own on the upper half of the cores (on CUDA the
+    auto: with `max_staleness=1`, a process of its own on the upper half of the cores (on CUDA the
     trainer's GPU, which the two share); in the training process when synchronous or with one core,
     and, with several training processes, on CPU (their cores are already shared out among them)."""
     devices = str(devices).strip()
-    if devices == "trainer" or (devices == "auto" and not async_steps):
+    if devices == "trainer" or (devices == "auto" and not max_staleness):
         return None
-    if not async_steps:
+    if not max_staleness:
         raise ConfigError(
             f"rollout.devices={devices} places the one-step-off sampler in a process of its own, but "
-            "rollout.async_steps=0 samples between training steps: set rollout.async_steps=1, or drop "
+            "rollout.max_staleness=0 samples between training steps: set rollout.max_staleness=1, or drop "
             "rollout.devices"
         )
     if several_processes and devices != "auto":
@@ -255,7 +255,9 @@ class ProcessEngine(RolloutEngine):
     """A rollout engine whose one-step-off rollouts (`submit`, `receive`) are sampled in a process of its
     own, `serve`, placed by `rollout.devices`; `generate` (validation) runs the same engine in this
     process, with the live weights. Started by `start` (the DataModule's setup, else the first
-    `submit`), ended by `close`."""
+    `submit`), ended by `close`. One request at a time: the DataModule receives it before the next."""
+
+    max_in_flight = 1
 
     def __init__(self, inner: RolloutEngine, placement: Placement) -> None:
         self.inner, self.placement = inner, placement
@@ -307,7 +309,7 @@ class ProcessEngine(RolloutEngine):
             torch.set_num_threads(len(trainer_cores))
 
     # ---- sampling ahead, in the process ------------------------------------------------------------
-    def submit(self, prompt_ids: list[list[int]], *, n: int, seed: int | None = None) -> None:
+    def submit(self, prompt_ids: list[list[int]], *, n: int, seed: int | None = None) -> int:
         """Send the weights of the last `sync` and a request; returns at once. Call it inside the trainer's
         precision context (as `generate`): its autocast dtype goes with the request."""
         if self.waiting:
@@ -328,8 +330,9 @@ class ProcessEngine(RolloutEngine):
         except (BrokenPipeError, ConnectionResetError):
             raise self._died("before it was sent a rollout") from None
         self.waiting = True
+        return 0
 
-    def receive(self) -> tuple[list[list[Completion]], float]:
+    def receive(self, ticket: int | None = None) -> tuple[list[list[Completion]], float]:
         if not self.waiting:
             raise RuntimeError("ProcessEngine.receive: nothing was submitted")
         start = time.perf_counter()

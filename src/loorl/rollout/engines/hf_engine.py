@@ -5,8 +5,8 @@ engine: the tiny default's rollout 21.4k tokens/s against vLLM-CPU's 7.6k, SmolL
 263 in bf16, in one run of `scripts/bench_engines.py` (docs/performance/generation.md). SmolLM2's
 rollout was 153 before rows that ended left the batch and the cache was stored in bf16.
 
-The decoding loop itself, loorl's and not transformers' `generate`, is `loorl.rollout.decoding`;
-its preallocated caches are `loorl.rollout.kv_cache`.
+The decoding loop itself, loorl's and not transformers' `generate`, is `loorl.rollout.engines.decoding`;
+its preallocated caches are `loorl.rollout.engines.kv_cache`.
 
 Its key/value cache (`rollout.hf_decode`): `static` preallocates the whole sequence (prompt and
 `max_new_tokens`) and writes each token in place, for every row to the end; `dynamic` writes into
@@ -33,7 +33,7 @@ mended both.
 
 Multi-turn rollouts with tools: with the dynamic cache, `generate_keeping` and `continue_kept` keep
 a call's cache for its rows' next turn, which then feeds only the ids the cache lacks (the last
-sampled id and the tool's result) instead of the whole transcript (`loorl.rollout.kept_cache`).
+sampled id and the tool's result) instead of the whole transcript (`loorl.rollout.engines.kept_cache`).
 """
 
 from __future__ import annotations
@@ -45,10 +45,10 @@ import torch
 
 from loorl.errors import ConfigError
 from loorl.parallel.fsdp import is_sharded, reshard_after_generation, unshard_for_generation
-from loorl.rollout.decoding import EAGER, Step, decode, decode_steps, one_token_logits
-from loorl.rollout.engine import EngineContext, PolicyWeights, RolloutEngine
-from loorl.rollout.kept_cache import KeptRow, continuations, kept_after_turn
-from loorl.rollout.kv_cache import StaticCachePool
+from loorl.rollout.engines.base import EngineContext, PolicyWeights, RolloutEngine
+from loorl.rollout.engines.decoding import EAGER, Step, decode, decode_steps, one_token_logits
+from loorl.rollout.engines.kept_cache import KeptRow, continuations, kept_after_turn
+from loorl.rollout.engines.kv_cache import StaticCachePool
 from loorl.types import Completion, SamplingConfig
 from loorl.util.autocast import cached_autocast
 from loorl.util.hardware import cuda_available, inductor_cache_for_this_cpu
@@ -275,7 +275,7 @@ class HFEngine(RolloutEngine):
         stop: list[list[int]] | None = None, max_new_tokens: int | None = None,
     ) -> tuple[list[list[Completion]], list[KeptRow]]:  # fmt: skip
         """`generate`, and a handle per completion (prompt-major) on the cache it leaves, for
-        `continue_kept` (`loorl.rollout.kept_cache`)."""
+        `continue_kept` (`loorl.rollout.engines.kept_cache`)."""
         if not self.continues_turns:
             raise ConfigError(f"the HF engine keeps no cache across turns with hf_decode={self.decoding}")
         return self._generate(prompt_ids, n=n, greedy=greedy, generator=self._generator(seed),

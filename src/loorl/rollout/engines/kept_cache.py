@@ -121,7 +121,7 @@ def keeps(cache) -> bool:
     sliding-window or static layer holds state that `select_rows` does not carry)."""
     from transformers.cache_utils import DynamicLayer
 
-    from loorl.rollout.kv_cache import compute_dtype_dynamic_layer
+    from loorl.rollout.engines.kv_cache import compute_dtype_dynamic_layer
 
     growing = (DynamicLayer, compute_dtype_dynamic_layer())
     return all(type(layer) in growing for layer in getattr(cache, "layers", [None]))

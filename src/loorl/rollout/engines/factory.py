@@ -1,13 +1,13 @@
 """Which engine class a run uses, and building it: `rollout._target_` (any RolloutEngine subclass) or
-the built-in that `rollout.engine` names (hf | vllm | auto)."""
+the built-in that `rollout.engine` names (hf | vllm | vllm_server | auto)."""
 
 from __future__ import annotations
 
 import logging
 
 from loorl.errors import ConfigError
-from loorl.rollout.engine import EngineContext, RolloutEngine
-from loorl.rollout.vllm_engine import VLLM_INSTALL_HINT, vllm_installed
+from loorl.rollout.engines.base import EngineContext, RolloutEngine
+from loorl.rollout.engines.vllm_engine import VLLM_INSTALL_HINT, vllm_installed
 from loorl.settings import RolloutSettings
 from loorl.util.hardware import cuda_available
 from loorl.util.plugins import import_object
@@ -15,8 +15,9 @@ from loorl.util.plugins import import_object
 log = logging.getLogger(__name__)
 
 BUILT_IN_ENGINES = {  # rollout.engine -> class; any other engine is named by rollout._target_
-    "hf": "loorl.rollout.hf_engine.HFEngine",
-    "vllm": "loorl.rollout.vllm_engine.VLLMEngine",
+    "hf": "loorl.rollout.engines.hf_engine.HFEngine",
+    "vllm": "loorl.rollout.engines.vllm_engine.VLLMEngine",
+    "vllm_server": "loorl.rollout.engines.vllm_server.ServerEngine",
 }
 
 
@@ -42,7 +43,7 @@ def engine_class(rollout: RolloutSettings, *, cuda: bool | None = None) -> tuple
         if not (isinstance(cls, type) and issubclass(cls, RolloutEngine)):
             raise ConfigError(
                 f"rollout._target_={rollout.target} is not a RolloutEngine subclass: derive it from "
-                "loorl.rollout.engine.RolloutEngine"
+                "loorl.rollout.engines.base.RolloutEngine"
             )
         return cls, reason
     name, reason = resolve_engine(rollout.engine, cuda=cuda)
@@ -59,6 +60,7 @@ def build_engine(
     share_prompt: bool = True,
     cuda: bool | None = None,
     completion_tokens: int | None = None,
+    model=None,
 ) -> RolloutEngine:
     """The engine, unbuilt where building is costly (vLLM starts at the first sync). `cuda`: whether
     the run trains on CUDA (None: whether a device is available). `completion_tokens`: a sample's
@@ -67,5 +69,5 @@ def build_engine(
     log.info("rollout engine: %s (%s)", cls.name, reason)
     ctx = EngineContext(rollout, model_dtype=model_dtype, model_path=model_path, tokenizer=tokenizer,
                         seed=seed, share_prompt=share_prompt, cuda=cuda,
-                        completion_tokens=completion_tokens)  # fmt: skip
+                        completion_tokens=completion_tokens, model=model)  # fmt: skip
     return cls.create(ctx)

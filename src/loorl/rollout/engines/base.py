@@ -95,12 +95,14 @@ class RolloutEngine(ABC):
     # True: `generate` takes `stop` and `max_new_tokens` (see there), so tools can run between turns
     stops_on_sequences: bool = False
     # True: it also has `generate_keeping` and `continue_kept`, which keep a call's key/value cache for
-    # its rows' next turn (`loorl.rollout.kept_cache`; the HF engine's dynamic cache); False: each turn
-    # is a `generate` on the whole transcript so far
+    # its rows' next turn (`loorl.rollout.engines.kept_cache`; the HF engine's dynamic cache); False: each
+    # turn is a `generate` on the whole transcript so far
     continues_turns: bool = False
+    # True: it samples outside the training process already (vLLM servers): never wrapped in a sampler
+    # process (`rollout.devices`), and `submit` returns at once
+    samples_apart: bool = False
     # set by an engine that samples in the background (`submit`): how long the last `receive` waited
     wait_seconds: float | None = None
-    _submitted: tuple[list[list[Completion]], float] | None = None  # the default `submit`'s result
 
     # ---- the class: settings, checks, construction ---------------------------------------------
     @classmethod
@@ -166,20 +168,33 @@ class RolloutEngine(ABC):
         limit instead of the sampling config's): what multi-turn rollouts with tools need
         (`loorl.rollout.multi_turn`)."""
 
-    # ---- sampling ahead (rollout.async_steps=1) --------------------------------------------------
-    # `submit` starts a generation with the weights of the last `sync`, `receive` returns its completions
-    # and the seconds it took. The default generates in `submit`, in this process (nothing overlaps); an
-    # engine in a process of its own (`loorl.rollout.sampler_process.ProcessEngine`) returns at once
-    # and generates while the trainer trains. One request at a time: every `submit` is `receive`d
-    # before the next.
-    def submit(self, prompt_ids: list[list[int]], *, n: int, seed: int | None = None, **kwargs) -> None:
+    # ---- sampling ahead (rollout.max_staleness > 0) ------------------------------------------------
+    # `submit` starts a generation with the weights of the last `sync` and returns a ticket; `receive(ticket)`
+    # returns its completions and the seconds it took. The default generates in `submit`, in this process
+    # (nothing overlaps); an engine in a process of its own (`sampler_process.ProcessEngine`) or one that
+    # sends its requests to servers (`vllm_server.ServerEngine`) returns at once and generates while the
+    # trainer trains. `max_in_flight`: how many submitted requests it holds at once (the DataModule
+    # receives the oldest before submitting past it).
+    max_in_flight: int = 1_000_000
+
+    def submit(self, prompt_ids: list[list[int]], *, n: int, seed: int | None = None, **kwargs) -> int:
         """`kwargs`: what this engine's `generate` takes besides (`rows`, for an environment's)."""
         start = time.perf_counter()
-        self._submitted = (self.generate(prompt_ids, n=n, seed=seed, **kwargs), time.perf_counter() - start)
+        done = (self.generate(prompt_ids, n=n, seed=seed, **kwargs), time.perf_counter() - start)
+        return self._hold(done)
 
-    def receive(self) -> tuple[list[list[Completion]], float]:
-        done, self._submitted = self._submitted, None
-        return done
+    def receive(self, ticket: int | None = None) -> tuple[list[list[Completion]], float]:
+        """The completions of the request `ticket` (None: the oldest held) and the seconds it took."""
+        held = self.__dict__.setdefault("_held", {})
+        return held.pop(min(held) if ticket is None else ticket)
+
+    def _hold(self, done) -> int:
+        """Keep a finished request's answer until it is received; its ticket."""
+        held = self.__dict__.setdefault("_held", {})
+        ticket = self.__dict__.get("_tickets", 0)
+        self._tickets = ticket + 1
+        held[ticket] = done
+        return ticket
 
     def start(self) -> None:
         """Start what `submit` will need ahead of time (a sampler process); default: nothing."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import lightning as L
 
-from loorl.rollout.engine import PolicyWeights
+from loorl.rollout.engines.base import PolicyWeights
 
 
 class EngineSync(L.Callback):
