@@ -3,11 +3,14 @@
     python scripts/bench_async.py                                  # tiny default + SmolLM2, 3 seeds
     python scripts/bench_async.py --models tiny --seeds 0 1 2 --modes sync async
     python scripts/bench_async.py --smollm2-steps 20               # SmolLM2 runs shorter than its 60
+    python scripts/bench_async.py --models tiny --seeds 0 --modes sync vllm server0 server1 server2
+                                  # the same work five ways (start the server first: scripts/serve.py
+                                  # --port 8765 --host 127.0.0.1 rollout=vllm_server)
 
-Each cell is `python src/train.py <model> seed=S rollout.async_steps=A rollout.devices=D`, timed from
+Each cell is `python src/train.py <model> seed=S rollout.max_staleness=A rollout.devices=D`, timed from
 the process's start to its end (model load, validations and outputs included), once per seed; the
 seed also seeds the tiny model's warm start (`model.tiny.warm_start.seed`), so each seed is another
-model too. Modes: `sync` (async_steps=0), `async` (one step off, the sampler in a process of its own on
+model too. Modes: `sync` (max_staleness=0), `async` (one step off, the sampler in a process of its own on
 half the cores: rollout.devices=auto), `async_inline` (one step off in the training process: the
 schedule without the overlap). Before the timed runs, one untimed run per seed builds the caches
 (the warm-started tiny model, SmolLM2's conversion). Writes `<out>/async.md` (the table) and each
@@ -43,9 +46,14 @@ MODELS = {  # name -> the run's overrides, given the steps
     ],
 }
 MODES = {
-    "sync": ["rollout.async_steps=0"],
-    "async": ["rollout.async_steps=1", "rollout.devices=auto"],
-    "async_inline": ["rollout.async_steps=1", "rollout.devices=trainer"],
+    "sync": ["rollout.max_staleness=0"],
+    "async": ["rollout.max_staleness=1", "rollout.devices=auto"],
+    "async_inline": ["rollout.max_staleness=1", "rollout.devices=trainer"],
+    "vllm": ["rollout=vllm", "rollout.max_staleness=0"],  # vLLM in the training process
+    # a vLLM server (--server-url, started beforehand: scripts/serve.py), N steps ahead
+    "server0": ["rollout=vllm_server", "rollout.max_staleness=0"],
+    "server1": ["rollout=vllm_server", "rollout.max_staleness=1"],
+    "server2": ["rollout=vllm_server", "rollout.max_staleness=2"],
 }
 
 
@@ -70,7 +78,11 @@ def cell(folder: Path, wall: float) -> dict[str, float]:
     steps = summary["rl_steps"]
     sampler = [v for _, v in history.get("perf/gen_tokens_per_s", [])]
     step_seconds = [v for _, v in history.get("perf/step_seconds", [])]
+    waits = [v for _, v in history.get("perf/gen_seconds", [])][1:]  # after the first step
+    syncs = [v for _, v in history.get("perf/weight_sync_seconds", [])][1:]
     return {
+        "gen_wait": statistics.median(waits) if waits else float("nan"),
+        "weight_sync": statistics.median(syncs) if syncs else float("nan"),
         "s_per_step": wall / steps,
         "median_step": statistics.median(step_seconds) if step_seconds else float("nan"),
         "tokens_per_s": summary["gen_tokens"] / wall,
@@ -92,15 +104,17 @@ def table(results: dict, steps: dict[str, int], seeds: list[int], command: str) 
         "",
         f"`{command}`: {len(seeds)} seeds ({', '.join(map(str, seeds))}), mean ± 95% t-interval.",
         "",
-        "| model | steps | mode | s/step (whole process) | median step (s) | tokens/s (whole process) | "
+        "| model | steps | mode | s/step (whole process) | median step (s) | "
+        "median wait for the rollout (s) | median weight update (s) | tokens/s (whole process) | "
         "sampler tokens/s | held-out accuracy, first -> last validation (%) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for (model, mode), cells in results.items():
         col = {k: [c[k] for c in cells] for k in cells[0]}
         lines.append(
             f"| {model} | {steps[model]} | {mode} | {fmt(col['s_per_step'], '.3f')} | "
-            f"{fmt(col['median_step'], '.3f')} | "
+            f"{fmt(col['median_step'], '.3f')} | {fmt(col['gen_wait'], '.3f')} | "
+            f"{fmt(col['weight_sync'], '.3f')} | "
             f"{fmt(col['tokens_per_s'], '.0f')} | {fmt(col['sampler_tokens_per_s'], '.0f')} | "
             f"{fmt(col['acc_start'], '.1f', 100)} -> {fmt(col['acc_end'], '.1f', 100)} |"
         )
@@ -117,6 +131,8 @@ def main() -> None:
     parser.add_argument("--tiny-steps", type=int, default=150)  # the default run's
     parser.add_argument("--smollm2-steps", type=int, default=20)
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench_async")
+    parser.add_argument("--server-url", default="http://127.0.0.1:8765",
+                        help="the vLLM server of the server* modes (scripts/serve.py)")  # fmt: skip
     args = parser.parse_args()
     steps = {"tiny": args.tiny_steps, "smollm2": args.smollm2_steps}
     results: dict[tuple[str, str], list[dict]] = {}
@@ -130,7 +146,10 @@ def main() -> None:
         for seed in args.seeds:
             for mode in args.modes:  # modes alternate within a seed, so drift spreads over all of them
                 folder = args.out / "runs" / model / mode / f"seed{seed}"
-                wall = run([*MODELS[model](steps[model], seed), f"seed={seed}", *MODES[mode]], folder)
+                server = [f"rollout.server.urls=[{args.server_url}]"] if mode.startswith("server") else []
+                wall = run(
+                    [*MODELS[model](steps[model], seed), f"seed={seed}", *MODES[mode], *server], folder
+                )
                 results.setdefault((model, mode), []).append(cell(folder, wall))
                 print(f"{model} {mode} seed {seed}: {wall:.1f} s", flush=True)
     command = "python scripts/bench_async.py " + " ".join(sys.argv[1:])
