@@ -101,6 +101,8 @@ def test_other_engines_and_strategies_resume_to_the_same_run(tmp_path, model_cac
     assert_same_run(straight, run)
 
 
+@pytest.mark.slow  # the default suite keeps LoRA's checkpoints (tests/test_lora.py) and an exact LoRA resume
+# (tests/test_distributed.py, fsdp); moved here to pay for the vLLM server run (issue 67)
 def test_a_killed_lora_run_resumes_to_the_same_run(tmp_path, model_cache):
     """LoRA with a KL term: the checkpoint holds only the adapters and their AdamW state, the frozen base
     weights come back from the model files, and the run continues as if never stopped."""

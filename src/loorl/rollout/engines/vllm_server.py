@@ -197,14 +197,16 @@ class ServerEngine(RolloutEngine):
         self.tickets: dict[int, tuple[list[Future], float, list]] = {}
         self.next_ticket = 0
         self.last_lost: str | None = None
+        self.started = False
         self.update_seconds = 0.0  # the last sync's
         self.update_bytes = 0
 
     # ---- servers ---------------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the servers this run launches and connect to every server; idempotent."""
-        if self.urls:
+        """Start the servers this run launches and connect to every server; once (`close` ends it)."""
+        if self.started:
             return
+        self.started = True
         import requests
 
         from loorl.rollout.engines.server_launch import LocalServer, server_command, wait_until_healthy
@@ -496,9 +498,11 @@ class ServerEngine(RolloutEngine):
             self.pool = None
         for server in self.launched:
             server.stop()
-        self.launched, self.urls = [], []
+        self.launched, self.urls, self.started = [], [], False  # a later use starts again, and sends
+        self.synced_version, self.base_sent, self.adapters, self.transfer = None, False, {}, None  # all
         if self.adapter_root is not None:
             shutil.rmtree(self.adapter_root, ignore_errors=True)
+            self.adapter_root = None
 
 
 def _barrier() -> None:
