@@ -282,7 +282,12 @@ class ServerEngine(RolloutEngine):
     def _init_transfer(self) -> None:
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-        from loorl.rollout.engines.weight_transfer import FanOutClient, files_init_info, register
+        from loorl.rollout.engines.weight_transfer import (
+            FanOutClient,
+            PolicySource,
+            files_init_info,
+            register,
+        )
 
         register()
         client = FanOutClient(self.urls, timeout=self.settings.request_timeout_s)
@@ -300,7 +305,7 @@ class ServerEngine(RolloutEngine):
             )
         else:
             info = files_init_info(self.settings.transfer_folder, rank=rank)
-        self._source = _Source()
+        self._source = PolicySource()
         try:
             self.transfer = WeightTransferTrainerFactory.trainer_init(
                 info, client=client, source=self._source
@@ -526,23 +531,6 @@ def _healthy(url: str) -> bool:
         return requests.get(f"{url}/health", timeout=10).status_code == 200
     except requests.RequestException:
         return False
-
-
-class _Source:
-    """The weight stream of the next `send_weights` (vLLM's `WeightSource` contract, re-pointed per sync)."""
-
-    stream = ()
-
-    def __iter__(self):
-        return iter(self.stream)
-
-    def metadata(self):
-        from vllm.distributed.weight_transfer.base import ParamMeta
-
-        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.stream]
-
-    def held_names(self):
-        return None
 
 
 def _in_dtype(weights, dtype: str):

@@ -24,7 +24,7 @@ import functools
 import os
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -208,12 +208,11 @@ def write_shard(path: str, shard: dict[str, torch.Tensor]) -> None:
 
 @dataclass
 class PolicySource:
-    """vLLM's `WeightSource` contract over loorl's weight stream (`PolicyWeights`, already in the
-    server's dtype): a fresh pass per iteration; `metadata()` (what the NCCL backend sizes its buffers
-    from) is read from one pass and kept."""
+    """vLLM's `WeightSource` contract over loorl's weight stream (a list of (name, tensor) in the
+    server's dtype), re-pointed before each send (`stream`): a fresh pass per iteration; `metadata()`
+    (what the NCCL backend sizes its buffers from) read from the current stream."""
 
-    stream: Any  # a re-iterable of (name, tensor)
-    _meta: list = field(default_factory=list)
+    stream: Any = ()
 
     def __iter__(self):
         return iter(self.stream)
@@ -221,9 +220,7 @@ class PolicySource:
     def metadata(self):
         from vllm.distributed.weight_transfer.base import ParamMeta
 
-        if not self._meta:
-            self._meta = [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.stream]
-        return self._meta
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.stream]
 
     def held_names(self):
         return None
