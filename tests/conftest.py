@@ -52,7 +52,12 @@ _share_the_cores_under_xdist()
 
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory) -> Path:
-    """One cache for the session: the quick tiny model is built once and reused by every test."""
+    """One cache for the session: the quick tiny model is built once and reused by every test.
+    `LOORL_TEST_MODEL_CACHE`: a folder kept across sessions instead (a developer rerunning slow tests
+    whose warm starts take minutes, e.g. `experiment=tiny_sum_calculator`'s); CI leaves it unset."""
+    if folder := os.environ.get("LOORL_TEST_MODEL_CACHE"):
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        return Path(folder)
     return tmp_path_factory.mktemp("model_cache")
 
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -30,79 +30,13 @@ from loorl.tools.base import ToolCall
 from loorl.tools.environment import Environment, parse_call, tools_prompt
 from loorl.tools.toolset import BoundTool, ToolSet, build_toolset
 from loorl.types import Completion, SamplingConfig
+from plugins.environments import AsyncReward, Counter, Greeter, Hostile, InitFails, RandomStart, Unrouted
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "environments"
 RESULT = "<tool_response>{result}</tool_response>"
-ENTERED = threading.Event()  # set by `Hostile.hang` once it runs
-
-
-class Counter:
-    """A test environment: `reset` keeps the row, `add` adds, `get_reward` reads the state."""
-
-    instances: list[Counter] = []
-    private_calls = 0
-
-    def __init__(self) -> None:
-        self.row, self.total, self.calls = None, 0, 0
-        Counter.instances.append(self)
-
-    def reset(self, **row) -> str | None:
-        self.row = row
-        return None
-
-    def add(self, a: int, b: int = 0) -> int:
-        """Add two integers to the running total.
-
-        Args:
-            a: The first integer.
-            b: The second integer.
-        """
-        self.calls += 1
-        self.total += a + b
-        return self.total
-
-    def _secret(self) -> str:
-        Counter.private_calls += 1
-        return "secret"
-
-    def get_reward(self) -> float:
-        return float(self.total == int(self.row["answer"]))
-
-
-class Hostile(Counter):
-    """Methods that raise, hang and answer too much; a reward that raises on one row."""
-
-    def boom(self) -> str:
-        """Raise."""
-        raise RuntimeError("kaboom")
-
-    def hang(self) -> str:
-        """Never return (in the test's time)."""
-        ENTERED.set()
-        time.sleep(30)
-        return "late"
-
-    def huge(self) -> str:
-        """A very long answer."""
-        return "x" * 100_000
-
-    def get_reward(self) -> float:
-        if self.row["answer"] == "13":
-            raise ValueError("no reward for 13")
-        return super().get_reward()
-
-
-class Greeter(Counter):
-    """`reset` returns text: inserted before the sample's first turn, masked."""
-
-    def reset(self, **row) -> str | None:
-        super().reset(**row)
-        return f"Start at {row['answer']}."
-
-
-class NoReward(Counter):
-    get_reward = None
+ISOLATIONS = ("process", "thread")
+_ENVIRONMENTS: dict = {}  # (class, isolation, limits) -> Environment: one set of worker processes each
 
 
 class Scripted(RolloutEngine):
@@ -143,21 +77,42 @@ def tok():
     return build_char_tokenizer()
 
 
-def env_toolset(cls, *, timeout_s=5.0, max_result_chars=40) -> ToolSet:
-    env = Environment(cls, timeout_s=timeout_s, max_result_chars=max_result_chars)
+@pytest.fixture(scope="module", autouse=True)
+def _close_environments():
+    yield
+    for env in _ENVIRONMENTS.values():
+        env.close()
+    _ENVIRONMENTS.clear()
+
+
+def environment(cls, isolation="process", *, timeout_s=5.0, max_result_chars=40, **kw) -> Environment:
+    """One `Environment` per class and settings for the module: its worker processes start once."""
+    key = (cls, isolation, timeout_s, max_result_chars, tuple(sorted(kw.items())))
+    if key not in _ENVIRONMENTS:
+        _ENVIRONMENTS[key] = Environment(cls, timeout_s=timeout_s, max_result_chars=max_result_chars,
+                                         isolation=isolation, **kw)  # fmt: skip
+    return _ENVIRONMENTS[key]
+
+
+def env_toolset(cls, isolation="process", **kw) -> ToolSet:
+    env = environment(cls, isolation, **kw)
     tool = BoundTool(env.name, env.session, "<tool_call>", "</tool_call>", environment=env)
-    return ToolSet([tool], timeout_s=timeout_s, max_result_chars=max_result_chars, result_format=RESULT)
+    return ToolSet(
+        [tool], timeout_s=env.timeout_s, max_result_chars=env.max_result_chars, result_format=RESULT
+    )
 
 
-def engine(tok, cls, script, **kw) -> ToolEngine:
-    return ToolEngine(Scripted(tok, script), env_toolset(cls, **kw), tok, max_turns=2, max_tokens=200,
-                      keep_cache=False)  # fmt: skip
+def engine(tok, cls, script, isolation="process", **kw) -> ToolEngine:
+    return ToolEngine(Scripted(tok, script), env_toolset(cls, isolation, **kw), tok, max_turns=2,
+                      max_tokens=400, keep_cache=False)  # fmt: skip
 
 
-def rollout(tok, cls, script, answers=("7",), n=2, **kw) -> list[list[Completion]]:
-    rows = [{"prompt": "3+4=", "answer": a} for a in answers]
-    ids = [tok.encode("3+4=", add_special_tokens=False) for _ in answers]
-    return engine(tok, cls, script, **kw).generate(ids, n=n, seed=1, rows=rows)
+def rollout(
+    tok, cls, script, answers=("7",), n=2, isolation="process", rows=None, **kw
+) -> list[list[Completion]]:
+    rows = rows or [{"prompt": "3+4=", "answer": a} for a in answers]
+    ids = [tok.encode(row["prompt"], add_special_tokens=False) for row in rows]
+    return engine(tok, cls, script, isolation, **kw).generate(ids, n=n, seed=1, rows=rows)
 
 
 # ---- the call format and its checks (no model) -------------------------------------------------
@@ -195,53 +150,172 @@ def test_a_malformed_or_hostile_call_is_refused_before_any_call(text, why):
 def test_a_well_formed_call_parses_to_its_name_and_arguments():
     assert parse_call('{"name": "add", "arguments": {"a": 1, "b": 2}}', SCHEMAS) == ("add", {"a": 1, "b": 2})
     assert parse_call('{"name": "add", "arguments": {"a": -3}}', SCHEMAS) == ("add", {"a": -3})
-    assert set(SCHEMAS) == {"add", "boom", "hang", "huge"}  # public methods only, no reset/get_reward
+    assert set(SCHEMAS) == {
+        "add",
+        "add_later",
+        "boom",
+        "exit",
+        "hang",
+        "huge",
+        "memory",
+        "pid",
+        "segfault",
+        "sleep",
+    }
 
 
-def test_hostile_calls_become_error_results_and_never_run(tok):
-    Counter.private_calls = 0
-    Counter.instances.clear()
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_hostile_calls_become_error_results_and_never_run(tok, isolation):
     for text in ['{"name": "_secret", "arguments": {}}', '{"name": "__class__", "arguments": {}}',
                  '{"name": "add", "arguments": {"a": "__import__(\'os\')"}}', "{bad json"]:  # fmt: skip
-        groups = rollout(tok, Counter, two_turns(f"<tool_call>{text}</tool_call>"), n=1)
-        (call_,) = groups[0][0].tool_calls
-        assert call_.status == "error" and call_.result.startswith("error: "), call_
-    assert Counter.private_calls == 0 and all(c.calls == 0 for c in Counter.instances)
+        script = lambda seen, text=text: (
+            (  # noqa: E731 - after the refused call, the total so far
+                call("add", a=0) if seen.count("<tool_response>") == 1 else f"<tool_call>{text}</tool_call>"
+            )
+            if "<eos>" not in seen and seen.count("<tool_response>") < 2
+            else "7<eos>"
+        )
+        (group,) = rollout(tok, Counter, script, n=1, isolation=isolation)
+        refused, total = group[0].tool_calls
+        assert refused.status == "error" and refused.result.startswith("error: "), refused
+        assert total.status == "ok" and total.result == "0"  # add ran once, and _secret never (it raises)
 
 
-def test_a_method_that_raises_hangs_or_answers_too_much_gives_an_error_or_cut_result(tok):
-    ENTERED.clear()
-    texts = {"boom": call("boom"), "hang": call("hang"), "huge": call("huge")}
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_a_method_that_raises_hangs_or_answers_too_much_gives_an_error_or_cut_result(tok, isolation):
+    texts = {"boom": call("boom"), "sleep": call("sleep", seconds=3.0), "huge": call("huge"),
+             "async": call("add_later", a=7)}  # fmt: skip
     start = time.perf_counter()
     for name, text in texts.items():
-        (group,) = rollout(tok, Hostile, two_turns(text), n=1, timeout_s=0.5)
+        (group,) = rollout(tok, Hostile, two_turns(text), n=1, timeout_s=0.5, isolation=isolation)
         (made,) = group[0].tool_calls
         assert group[0].finished  # the sample went on and answered
         if name == "boom":
-            assert made.status == "error" and "kaboom" in made.result
-        elif name == "hang":
+            assert made.status == "error" and made.result == "error: RuntimeError: kaboom"
+        elif name == "sleep":
             assert made.status == "timeout" and made.result == "error: timed out after 0.5 s"
-        else:
+        elif name == "huge":
             assert made.status == "truncated" and len(made.result) == 40
-    assert ENTERED.is_set() and time.perf_counter() - start < 5
+        else:  # an async def method, awaited
+            assert made.status == "ok" and made.result == "7"
+    assert time.perf_counter() - start < 5
+
+
+# ---- isolation process: what a method does to its process stays there ----------------------------
+FAILURES = {  # a method's failure -> (ToolCall status, its result)
+    "hang": ("timeout", "error: timed out after 1 s"),
+    "exit": ("crashed", "error: the environment's worker process exited with status 3"),
+    "segfault": ("crashed", "error: the environment's worker process was killed by SIGSEGV"),
+    "memory": (
+        "crashed",
+        "error: the environment's worker process ran out of memory (environment.memory_mb=512)",
+    ),
+}
+
+
+def fail_then_add(mode: str):
+    """The policy of prompt 9+9=: calls `mode`, then add, then answers 7; of any other: add, then 7."""
+
+    def script(seen: str) -> str:
+        if "<tool_response>" not in seen:
+            return call(mode) if seen.startswith("9+9=") else call("add", a=3, b=4)
+        if seen.startswith("9+9=") and seen.count("<tool_response>") == 1:
+            return call("add", a=7)
+        return "7<eos>"
+
+    return script
+
+
+FAILING_ROWS = [{"prompt": "9+9=", "answer": "7"}, {"prompt": "3+4=", "answer": "7"}]
+
+
+@pytest.mark.parametrize("mode", list(FAILURES))
+def test_a_method_that_hangs_exits_segfaults_or_overruns_memory_ends_only_its_worker(tok, mode):
+    """The worker is killed (nothing of it left running) and replaced; the sample gets an error result,
+    its later calls an error, its reward NaN; the other sample is untouched."""
+    limits = dict(timeout_s=1.0, max_result_chars=100, memory_mb=512)
+    env = environment(Hostile, **limits)
+    start = time.perf_counter()
+    bad, good = rollout(tok, Hostile, fail_then_add(mode), rows=FAILING_ROWS, n=1, **limits)
+    assert time.perf_counter() - start < 8
+    failed, after = bad[0].tool_calls
+    assert (failed.status, failed.result) == FAILURES[mode]
+    assert after.status == "error" and after.result == FAILURES[mode][1].replace(
+        "timed out after", "the environment's worker process timed out after"
+    )
+    assert math.isnan(bad[0].reward) and bad[0].environment_events == ("worker_lost",)
+    assert [c.status for c in good[0].tool_calls] == ["ok"] and good[0].reward == 1.0
+    assert not good[0].environment_events
+    assert env.pool.killed and all(_gone(pid) for pid in env.pool.killed)  # nothing of it left running
+    (again,) = rollout(tok, Hostile, two_turns(call("add", a=3, b=4)), n=1, **limits)
+    assert again[0].reward == 1.0  # a new worker serves the next sample
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or only its exit status left (a zombie its zygote has yet to reap)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize("where", ["reset", "get_reward", "constructor"])
+def test_a_reset_get_reward_or_constructor_that_crashes_leaves_its_sample_unscorable(tok, where):
+    rows = [{"prompt": "3+4=", "answer": "7", "fail_in": where, "fail": "segfault"},
+            {"prompt": "3+4=", "answer": "7"}]  # fmt: skip
+    cls = InitFails if where == "constructor" else Hostile
+    bad, good = rollout(tok, cls, two_turns(call("add", a=3, b=4)), rows=rows, n=1, timeout_s=1.0)
+    assert math.isnan(bad[0].reward)
+    if where == "get_reward":
+        assert bad[0].tool_calls[0].status == "ok" and bad[0].environment_events == (
+            "worker_lost",
+            "reward_failed",
+        )
+    else:
+        assert bad[0].tool_calls[0].result.startswith("error: the environment's reset failed: worker process")
+        assert bad[0].environment_events == ("worker_lost", "reset_failed")
+    if where != "constructor":
+        assert good[0].reward == 1.0 and not good[0].environment_events
+
+
+def test_workers_shared_by_sessions_take_each_others_instances_down_and_count_them(tok):
+    """environment.workers=1: both samples live in one worker; one's exit ends the other's instance."""
+    bad, good = rollout(tok, Hostile, fail_then_add("exit"), rows=FAILING_ROWS, n=1, timeout_s=1.0, workers=1)
+    assert bad[0].tool_calls[0].status == "crashed" and bad[0].environment_events[0] == "worker_lost"
+    assert good[0].environment_events[0] == "session_lost" and math.isnan(good[0].reward)
+
+
+def test_each_sample_gets_its_own_seeded_random_stream_that_repeats(tok):
+    """A worker's `random` is seeded per sample from the call's seed: the samples differ, runs repeat."""
+    from loorl.rollout.multi_turn import session_seed
+
+    assert session_seed(1, 0) != session_seed(1, 1) and session_seed(1, 0) == session_seed(1, 0)
+    assert session_seed(None, 3) == session_seed(None, 3)
 
 
 # ---- one instance per sample, reset with the row, get_reward as the reward ---------------------
-def test_each_sample_has_its_own_instance_reset_with_its_prompts_row(tok):
-    Counter.instances.clear()
-    groups = rollout(tok, Counter, two_turns(call("add", a=3, b=4)), answers=("7", "8"), n=3)
-    assert len(Counter.instances) == 6  # 2 prompts x 3 samples (the schemas are read from the class)
-    assert sorted(c.row["answer"] for c in Counter.instances) == ["7"] * 3 + ["8"] * 3  # (built in threads)
-    assert all(c.calls == 1 and c.total == 7 for c in Counter.instances)  # one call each, none shared
-    assert [[c.reward for c in g] for g in groups] == [[1.0] * 3, [0.0] * 3]
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_each_sample_has_its_own_instance_reset_with_its_prompts_row(tok, isolation):
+    groups = rollout(
+        tok, Counter, two_turns(call("add", a=3, b=4)), answers=("7", "8"), n=3, isolation=isolation
+    )
+    assert [[c.tool_calls[0].result for c in g] for g in groups] == [["7"] * 3] * 2  # no total shared
+    assert [[c.reward for c in g] for g in groups] == [[1.0] * 3, [0.0] * 3]  # each reset with its row
 
 
-def test_without_get_reward_the_task_grades_and_a_failing_get_reward_is_unscorable(tok):
-    (group,) = rollout(tok, NoReward, two_turns(call("add", a=3, b=4)), n=2)
-    assert [c.reward for c in group] == [None, None]
-    groups = rollout(tok, Hostile, two_turns(call("add", a=3, b=4)), answers=("7", "13"), n=2)
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_without_get_reward_the_task_grades_and_a_failing_get_reward_is_unscorable(tok, isolation):
+    class_without = type("NoReward", (Counter,), {"get_reward": None}) if isolation == "thread" else None
+    if class_without is not None:
+        (group,) = rollout(tok, class_without, two_turns(call("add", a=3, b=4)), n=2, isolation=isolation)
+        assert [c.reward for c in group] == [None, None]
+    rows = [{"prompt": "3+4=", "answer": "7"}, {"prompt": "3+4=", "answer": "7", "fail_in": "get_reward",
+                                                "fail": "raise"}]  # fmt: skip
+    groups = rollout(tok, Hostile, two_turns(call("add", a=3, b=4)), rows=rows, n=2, isolation=isolation)
     assert [c.reward for c in groups[0]] == [1.0, 1.0]
-    assert all(math.isnan(c.reward) for c in groups[1])
+    assert all(math.isnan(c.reward) and c.environment_events == ("reward_failed",) for c in groups[1])
+    (group,) = rollout(tok, AsyncReward, two_turns(call("add", a=1)), n=1, isolation=isolation)
+    assert group[0].reward == 0.25  # an async def get_reward, awaited
 
 
 def test_the_datamodule_takes_get_reward_and_counts_a_failing_one_as_unscorable(tok):
@@ -249,7 +323,7 @@ def test_the_datamodule_takes_get_reward_and_counts_a_failing_one_as_unscorable(
     wrong); a get_reward that raises leaves its samples NaN, counted, and the step goes on."""
     task = LongSumsTask(terms=2, min_operand=1, max_operand=9, eval_size=4)
     prompts = task.eval_prompts()[:2]
-    prompts[1].answer = "13"  # Hostile.get_reward raises for this row
+    prompts[1].meta |= {"fail_in": "get_reward", "fail": "raise"}  # Hostile.get_reward raises for this row
 
     def script(text):  # adds the prompt's two numbers, then writes a wrong answer
         if text.endswith("</tool_response>"):
@@ -294,19 +368,120 @@ def test_result_ids_are_masked_exactly_as_the_calculators(tok):
     assert mine.tool_calls[0].status == "ok" and mine.tool_calls[0].result == "7"
 
 
-def test_reset_text_is_inserted_masked_before_the_first_turn(tok):
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_reset_text_the_group_shares_is_appended_to_its_prompt_as_trl_does(tok, isolation):
+    """Every sample of the group got "Start at 7.": it goes at the end of the prompt's last user message
+    (here the whole plain-text prompt), the group's one prompt; none of it is in the completion."""
     text = call("add", a=3, b=4)
-    (group,) = rollout(tok, Greeter, lambda seen: "7<eos>" if "</tool_call>" in seen else text, n=2)
-    start = tok.encode("<tool_response>Start at 7.</tool_response>", add_special_tokens=False)
+    (group,) = rollout(tok, Greeter, lambda seen: "7<eos>" if "</tool_call>" in seen else text, n=2,
+                       isolation=isolation)  # fmt: skip
+    prompt = tok("3+4=Start at 7.", add_special_tokens=False).input_ids
     for c in group:
-        assert c.token_ids[: len(start)] == start and c.policy_mask[: len(start)] == [0] * len(start)
-        assert c.tool_calls[0].status == "ok" and c.reward == 1.0
+        assert c.prompt_ids == prompt and c.token_ids[: len(tok.encode(text))] == tok.encode(text)
+        assert (
+            "reset_text_in_prompt" in c.environment_events
+            and c.tool_calls[0].status == "ok"
+            and c.reward == 1.0
+        )
+
+
+def test_reset_text_placed_in_a_chat_prompt_ends_the_last_user_message(tok):
+    """Under a chat template the text goes before the end of the user's message and the assistant's
+    header, as TRL's `content + observation` renders."""
+    from copy import deepcopy
+
+    from loorl.rollout.multi_turn import user_message_tail
+
+    chat = deepcopy(tok)
+    chat.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</s>{% endfor %}<assistant>"
+    )
+    assert user_message_tail(chat) == "</s><assistant>" and user_message_tail(tok) == ""
+    rendered = chat.apply_chat_template([{"role": "user", "content": "3+4="}], tokenize=False,
+                                        add_generation_prompt=True)  # fmt: skip
+    tools = engine(chat, Greeter, lambda seen: "7<eos>")
+    placed = tools.in_prompt(chat(rendered, add_special_tokens=False).input_ids, "Start at 7.")
+    expected = chat.apply_chat_template([{"role": "user", "content": "3+4=Start at 7."}], tokenize=False,
+                                        add_generation_prompt=True)  # fmt: skip
+    assert chat.decode(placed) == expected
+
+
+def test_reset_texts_that_differ_within_a_group_are_inserted_masked_before_the_first_turn(tok):
+    text = call("add", a=3, b=4)
+    (group,) = rollout(tok, RandomStart, lambda seen: "7<eos>" if "</tool_call>" in seen else text, n=2)
+    starts = []
+    for c in group:
+        head = tok.decode(c.token_ids[: c.policy_mask.index(1)])
+        assert head.startswith("<tool_response>Start at ") and c.prompt_ids is None
+        assert "reset_text_after" in c.environment_events and c.tool_calls[0].status == "ok"
+        starts.append(head)
+    assert starts[0] != starts[1]  # each sample's own seeded stream
+    (again,) = rollout(tok, RandomStart, lambda seen: "7<eos>" if "</tool_call>" in seen else text, n=2)
+    assert [c.token_ids for c in again] == [c.token_ids for c in group]  # and the same again
+
+
+def test_the_datamodule_trains_on_the_prompt_with_resets_text_in_it(tok):
+    task = LongSumsTask(terms=2, min_operand=1, max_operand=9, eval_size=4)
+    prompts = task.eval_prompts()[:2]
+    dm = RolloutDataModule(task=task, tokenizer=tok, engine=engine(tok, Greeter, lambda seen: "7<eos>"),
+                           rl=RLSettings(prompts_per_step=2, samples_per_prompt=2, prompts_per_minibatch=2),
+                           rollout=RolloutSettings(max_new_tokens=200),
+                           rewards=RewardComposer([WeightedReward("task", "task")], task=task))  # fmt: skip
+    out = dm.rollout(prompts, seed=0)
+    rows = [tok.decode([t for t, m in zip(ids, mask) if m]) for ids, mask in
+            zip(out.batch.input_ids.tolist(), out.batch.attention_mask.tolist())]  # fmt: skip
+    assert rows[0] == f"{prompts[0].text}Start at {prompts[0].answer}.7<eos>" and rows[0] == rows[1]
+    assert (
+        out.stats["tools/env_reset_text_in_prompt"] == 4.0 and out.stats["tools/env_reset_text_after"] == 0.0
+    )
+
+
+def test_several_environments_are_routed_by_the_rows_column_each_with_its_own_tools(tok):
+    """environment.routes: each row's `environment` column picks its class; a call sees that class's
+    tools only; the column is not passed to reset; a row naming no route is one line."""
+    from loorl.tools.environment import Environments
+
+    plain_env, hostile_env = (
+        environment(Unrouted, max_result_chars=100),
+        environment(Hostile, max_result_chars=100),
+    )
+    routes = Environments({"plain": plain_env, "hostile": hostile_env}, "environment")
+    toolset = ToolSet(
+        [BoundTool(routes.name, routes.session, "<tool_call>", "</tool_call>", environment=routes)],
+        timeout_s=5,
+        max_result_chars=100,
+        result_format=RESULT,
+    )
+    tools = ToolEngine(Scripted(tok, two_turns(call("boom"))), toolset, tok, max_turns=2, max_tokens=400,
+                       keep_cache=False)  # fmt: skip
+    rows = [{"prompt": "3+4=", "answer": "7", "environment": name} for name in ("plain", "hostile")]
+    ids = [tok.encode("3+4=", add_special_tokens=False)] * 2
+    plain, hostile = tools.generate(ids, n=1, seed=1, rows=rows)
+    assert plain[0].tool_calls[0].result.startswith("error: no tool named 'boom'; the tools are add, pid")
+    assert hostile[0].tool_calls[0].result == "error: RuntimeError: kaboom"
+    assert plain[0].reward == 0.0 and not plain[0].environment_events  # reset ran, without the column
+    assert routes.tools()["plain"] == list(plain_env.schemas.values())
+    with pytest.raises(ConfigError, match="environment='nowhere' names none of environment.routes"):
+        tools.generate(
+            ids[:1], n=1, seed=1, rows=[{"prompt": "3+4=", "answer": "7", "environment": "nowhere"}]
+        )
+
+
+def test_a_prompt_carries_its_rows_environments_tools():
+    from loorl.tasks.long_sums import LongSumsTask
+
+    task = LongSumsTask(terms=2, min_operand=1, max_operand=9, eval_size=4)
+    assert task.tools_for({"environment": "a"}) is None
+    task.prompt_tools = [{"name": "x"}]
+    assert task.tools_for({}) == [{"name": "x"}]
+    task.prompt_tools = {"a": [{"name": "x"}], "b": [{"name": "y"}]}
+    assert task.tools_for({"environment": "b"}) == [{"name": "y"}] and task.tools_for({}) is None
 
 
 # ---- config --------------------------------------------------------------------------------------
 def test_a_users_class_is_named_by_target_and_checked_before_any_model(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
-    tools = build_toolset(ToolsSettings(max_turns=1), "test_environment.Counter")
+    tools = build_toolset(ToolsSettings(max_turns=1), "plugins.environments.Counter")
     assert tools.tools[0].name == "Counter" and tools.tools[0].start == "<tool_call>"
     with pytest.raises(ConfigError, match="cannot be imported"):
         build_toolset(ToolsSettings(max_turns=1), "nowhere.Env")
@@ -325,16 +500,41 @@ def test_every_environment_config_composes_and_checks(default_cfg, monkeypatch):
     assert s.environment.target == "sum_calculator.SumCalculatorEnv" and s.tools.max_turns == 1
     with pytest.raises(ConfigError, match="needs tools.max_turns > 0"):
         check_config(default_cfg("environment=sum_calculator"))
+    routed = check_config(
+        default_cfg(
+            "tools.max_turns=1",
+            "+environment.routes.a=sum_calculator.SumCalculatorEnv",
+            "+environment.routes.b=plugins.environments.Counter",
+        )
+    )
+    assert routed.environment.chosen == {
+        "a": "sum_calculator.SumCalculatorEnv",
+        "b": "plugins.environments.Counter",
+    }
+    with pytest.raises(ConfigError, match="are both set"):
+        check_config(default_cfg("environment=sum_calculator", "tools.max_turns=1",
+                                 "+environment.routes.b=plugins.environments.Counter"))  # fmt: skip
+    for isolation in ("process", "thread"):
+        assert (
+            check_config(
+                default_cfg(
+                    "environment=sum_calculator", "tools.max_turns=1", f"environment.isolation={isolation}"
+                )
+            ).environment.isolation
+            == isolation
+        )
+    with pytest.raises(ConfigError, match="environment.isolation"):
+        check_config(
+            default_cfg("environment=sum_calculator", "tools.max_turns=1", "environment.isolation=fork")
+        )
     assert "calculate" in tools_prompt("sum_calculator.SumCalculatorEnv")
 
 
-def test_the_worked_example_keeps_the_contract():
-    sys.path.insert(0, str(EXAMPLES))
-    try:
-        from sum_calculator import SumCalculatorEnv
-    finally:
-        sys.path.remove(str(EXAMPLES))
-    env = Environment(SumCalculatorEnv, timeout_s=1, max_result_chars=40)
+def test_the_worked_example_keeps_the_contract(monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))  # the workers import it from the trainer's sys.path
+    from sum_calculator import SumCalculatorEnv
+
+    env = environment(SumCalculatorEnv, timeout_s=1)
     assert set(env.schemas) == {"calculate"} and not env.owns_reward  # the task grades the answer
     session = env.session({"prompt": "1+2+3+4=", "answer": "10", "expression": "1+2+3+4"})
     assert session.call('{"name": "calculate", "arguments": {"expression": "1+2+3+4"}}').result == "10"
@@ -364,15 +564,17 @@ def test_the_worked_environment_runs_unchanged_in_trls_grpo_trainer(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_killed_run_with_an_environment_resumes_to_the_same_run(tmp_path, model_cache):
+@pytest.mark.parametrize("isolation", ISOLATIONS)
+def test_a_killed_run_with_an_environment_resumes_to_the_same_run(tmp_path, model_cache, isolation):
     """The worked example's run after a kill -9 logs the uninterrupted run's values, tools/ and
-    rewards (get_reward's) included."""
+    rewards (get_reward's) included, in each isolation; the killed run's worker processes end with it."""
     from fixtures import ON_CPU, assert_same_run, metric_values, start_and_signal
 
     def command(run):
         return [sys.executable, str(ROOT / "src" / "train.py"), "debug=quick",
                 "experiment=tiny_sum_calculator", f"model.cache_dir={model_cache}", *ON_CPU, "rl.steps=6",
-                "checkpoint_every=2", "val_every=3", f"hydra.run.dir={run}"]  # fmt: skip
+                "checkpoint_every=2", "val_every=3", f"hydra.run.dir={run}",
+                f"environment.isolation={isolation}"]  # fmt: skip
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), str(EXAMPLES)]),
                TOKENIZERS_PARALLELISM="false")  # fmt: skip
@@ -389,5 +591,35 @@ def test_a_killed_run_with_an_environment_resumes_to_the_same_run(tmp_path, mode
     first = run / "checkpoints" / "epoch=3-step=4.ckpt"
     killed = start_and_signal(command(run), first, signal.SIGKILL, env=env, timeout=900)
     assert killed.returncode == -signal.SIGKILL
+    if isolation == "process":  # the zygote reads its closed socket, ends its workers (and they die with it)
+        zygotes = [
+            int(w)
+            for w in re.findall(r"worker processes forked from pid (\d+)", (run / "train.log").read_text())
+        ]
+        time.sleep(1.0)
+        assert zygotes and all(_gone(pid) for pid in zygotes)
+        assert not [pid for pid in _loorl_env_processes() if _parent(pid) in zygotes]
     run_to_end([*command(run), "resume_from=auto"])
     assert_same_run(straight, run)
+
+
+def _loorl_env_processes() -> list[int]:
+    """Live zygotes and workers of environment isolation (their process names)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if (entry / "comm").read_text().strip().startswith("loorl-env-") and not _gone(
+                    int(entry.name)
+                ):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError):
+        return None

@@ -397,3 +397,18 @@ def test_two_ddp_processes_sample_from_one_server_and_rank_0_alone_sends_the_wei
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert lag_history(run) == [0.0, 1.0, 1.0]
     assert "Creating weight transfer trainer engine" in (run / "train.log").read_text()
+
+
+@pytest.mark.slow
+def test_an_environment_runs_through_the_server_and_its_failures_are_counted(quick_config, server, tmp_path):
+    """environment._target_ with the server engine: each sample's instance is reset and scored in a worker
+    process of the trainer's node while the server samples; failing resets and get_rewards are counted."""
+    cfg = quick_config("rollout=vllm_server", f"rollout.server.urls=[{server}]", "rl.steps=2",
+                       "environment._target_=plugins.environments.RowSabotage", "tools.max_turns=1",
+                       "tools.timeout_s=0.5", "environment.memory_mb=512", "task.eval_size=16",
+                       output_dir=tmp_path)  # fmt: skip
+    train(cfg)
+    full = json.loads((tmp_path / "metrics.json").read_text())["history"]
+    assert sum(v for _, v in full["tools/env_reset_failures"]) > 0
+    assert sum(v for _, v in full["tools/env_reward_failures"]) > 0
+    assert len(full["train/loss"]) == 2

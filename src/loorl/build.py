@@ -67,7 +67,27 @@ def instantiate_unwrapped(node):
 
 
 def build_task(s: Settings) -> Task:
-    return instantiate_unwrapped(s.task)
+    """The run's task, with the environment's tools for its chat-template prompts (`prompt_tools`)."""
+    task = instantiate_unwrapped(s.task)
+    task.prompt_tools, task.route_column = prompt_tools(s), s.environment.route_column
+    return task
+
+
+def prompt_tools(s: Settings) -> list[dict] | dict[str, list[dict]] | None:
+    """The tools' JSON schemas every chat-template prompt carries as `tools=`, as TRL renders them
+    (`environment.tools_in_prompt`): the environment's, or each route's by name (a prompt carries its
+    row's, `Task.tools_for`); None without one or with the setting off."""
+    if not (s.environment.chosen and s.environment.tools_in_prompt):
+        return None
+    from loorl.tools.environment import Environment
+
+    def tools(target: str) -> list[dict]:
+        return Environment.of(target, timeout_s=s.tools.timeout_s, max_result_chars=s.tools.max_result_chars,
+                              isolation="thread").tools()  # fmt: skip
+
+    if s.environment.target:
+        return tools(s.environment.target)
+    return {name: tools(target) for name, target in s.environment.routes.items()}
 
 
 def identity(s: Settings) -> dict:

@@ -165,18 +165,13 @@ def check_config(cfg: DictConfig) -> Settings:
     context = {"model_dtype": s.model.dtype, "model": s.model, "model_path": pretrained_path(s.model)}
     context |= {"seed": s.run.seed, "share_prompt": s.rl.share_prompt, "parallel": s.strategy}
     engine.check(EngineContext(s.rollout, **context))
-    if s.environment.target and not s.tools.max_turns:
+    if s.environment.chosen and not s.tools.max_turns:
         raise ConfigError(
-            f"environment._target_={s.environment.target} needs tools.max_turns > 0: its methods are tools "
+            f"{s.environment.described} needs tools.max_turns > 0: its methods are tools "
             "the policy calls between turns; set tools.max_turns (e.g. 2)"
         )
     if s.tools.max_turns:
         check_tools(s, engine)
-    if sampler_placement_of(s) is not None and s.environment.target:  # rollout.devices: cores it has
-        raise ConfigError(
-            "environment._target_ runs in the training process: it cannot yet run in a one-step-off "
-            "sampler process (rollout.devices); leave rollout.devices unset"
-        )
     return s
 
 
@@ -196,7 +191,9 @@ def checked_toolset(s: Settings, engine: type, tokenizer=None):
             "budget covers its turns and the results between them; set tools.max_tokens="
             f"{turn * (s.tools.max_turns + 1)}"
         )
-    toolset = build_toolset(s.tools, s.environment.target)
+    e = s.environment
+    toolset = build_toolset(s.tools, e.chosen, route_column=e.route_column, isolation=e.isolation,
+                            memory_mb=e.memory_mb, workers=e.workers)  # fmt: skip
     if tokenizer is not None:
         check_tags(tokenizer, toolset.tools, result_format=s.tools.result_format)
     return toolset

@@ -63,6 +63,12 @@ class Completion:
     # the request was sent with
     version: int | None = None
     spans_versions: bool = False
+    # what went wrong in its environment instance (`loorl.tools.environment.Session.events`: reset_failed,
+    # reward_failed, worker_lost, session_lost), counted in the step's `tools/env_*` metrics
+    environment_events: tuple = ()
+    # the prompt it was generated from where the engine changed its group's (an environment's reset
+    # text placed in the last user message, `loorl.rollout.multi_turn`); None: the prompt as encoded
+    prompt_ids: list[int] | None = None
 
     @property
     def inserted(self) -> int:

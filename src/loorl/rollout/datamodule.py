@@ -40,6 +40,7 @@ from loorl.rollout.batch import assemble, concatenate
 from loorl.rollout.dynamic_sampling import Choice, SetAside, choose_groups, groups_with_signal
 from loorl.rollout.engines.base import RolloutEngine
 from loorl.rollout.multi_turn import (
+    environment_failures,
     environment_rewards,
     row_of,
     tool_calls_of,
@@ -436,7 +437,7 @@ class RolloutDataModule(L.LightningDataModule):
                                        penalty=self.overlong.penalty)  # fmt: skip
             rewards = rewards + penalty  # [B, K] NaN stays NaN
         batch = assemble(
-            prompt_ids,
+            [g[0].prompt_ids or ids for g, ids in zip(groups, prompt_ids)],  # reset's text placed in some
             groups,
             pad_token_id=self.tokenizer.pad_token_id,
             rewards=rewards,
@@ -506,6 +507,8 @@ class RolloutDataModule(L.LightningDataModule):
             "reward": graded.rewards.view(-1),  # [n]
             "unscorable": graded.correct.view(-1).isnan().float(),  # [n] counted in val/unscorable
             "tool_used": used_a_tool(completions),  # [n] None without tools
+            # [n] samples whose environment instance failed; None without an environment
+            "env_failures": environment_failures(completions) if self.rows(prompts) else None,
             "pass_k": None,
             "maj_k": None,
             "sources": [p.meta.get("source") for p in prompts],  # task=mix: each prompt's source
@@ -515,6 +518,8 @@ class RolloutDataModule(L.LightningDataModule):
             step = self.trainer.global_step if self.trainer is not None else 0
             seed = self.sampler_seed("validation", step, prompts[0].text)  # this batch's own stream
             sampled = self.generate(ids, n=self.eval_samples, seed=seed, **self.rows(prompts))
+            if results["env_failures"] is not None:
+                results["env_failures"] = results["env_failures"] + environment_failures(sampled)  # [n]
             sampled = self.detokenize(sampled)  # [n][N]
             correct = correctness(self.task, prompts, sampled)  # [n, N] NaN: unscorable
             scorable = ~correct.isnan()  # [n, N]

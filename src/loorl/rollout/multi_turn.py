@@ -61,11 +61,25 @@ class Transcript:
     last_turn: list[int] = field(default_factory=list)  # the ids the last turn sampled
     kept: KeptRow | None = None  # the engine's cache after the last turn (`tools.keep_cache`)
     session: Session | None = None  # its own environment instance (`environment._target_`)
+    prompt_changed: bool = False  # reset's text was placed in its (group's) prompt
+    reset_text_after: bool = False  # reset's text was inserted after the prompt (its group's differed)
 
-    def completion(self) -> Completion:
-        reward = None if self.session is None else self.session.reward()
-        return Completion(self.ids, self.logprobs, self.finished, policy_mask=self.policy,
-                          tool_calls=tuple(self.calls), turns=self.turns, reward=reward)  # fmt: skip
+    def completion(self, reward: float | None = None) -> Completion:
+        """`reward`: its environment's `get_reward()`, where it has one."""
+        events = () if self.session is None else tuple(self.session.events)
+        events += ("reset_text_in_prompt",) if self.prompt_changed else ()
+        events += ("reset_text_after",) if self.reset_text_after else ()
+        return Completion(
+            self.ids,
+            self.logprobs,
+            self.finished,
+            policy_mask=self.policy,
+            tool_calls=tuple(self.calls),
+            turns=self.turns,
+            reward=reward,
+            environment_events=events,
+            prompt_ids=self.prompt if self.prompt_changed else None,
+        )
 
 
 def turn_seed(seed: int | None, turn: int, part: int) -> int | None:
@@ -74,6 +88,25 @@ def turn_seed(seed: int | None, turn: int, part: int) -> int | None:
     if seed is None:
         return None
     return int(np.random.SeedSequence([seed, turn, part]).generate_state(1, dtype=np.uint64)[0] >> 1)
+
+
+def user_message_tail(tokenizer) -> str:
+    """What a chat template writes after a user message's content when the assistant answers next (the
+    end of the message and the assistant's header); "" without a chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return ""
+    mark = "\x00USER\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": mark}], tokenize=False,
+                                         add_generation_prompt=True)  # fmt: skip
+    return text.split(mark, 1)[1] if mark in text else ""
+
+
+def session_seed(seed: int | None, index: int) -> int:
+    """The random seed of the environment instance of a call's sample `index` (its worker's `random`
+    and numpy streams, `environment.isolation=process`): a pure function of the call's seed and the
+    sample, so a run and its resume give each instance the same."""
+    key = [0 if seed is None else seed, 1, index]
+    return int(np.random.SeedSequence(key).generate_state(1, dtype=np.uint32)[0])
 
 
 def check_engine(engine_class: type, name: str) -> None:
@@ -123,6 +156,8 @@ class ToolEngine(RolloutEngine):
 
     def close(self) -> None:
         self.inner.close()
+        if self.environment is not None:
+            self.environment.environment.close()  # its worker processes
 
     def generate(
         self, prompt_ids: list[list[int]], *, n: int, greedy: bool = False, seed: int | None = None,
@@ -130,16 +165,28 @@ class ToolEngine(RolloutEngine):
     ) -> list[list[Completion]]:  # fmt: skip
         """`rows`: each prompt's fields, for an environment's `reset(**row)` (`takes_rows`)."""
         samples = [Transcript(list(p)) for p in prompt_ids for _ in range(n)]  # prompt-major
+        try:
+            return self._generate(samples, prompt_ids, n=n, greedy=greedy, seed=seed, rows=rows)
+        finally:  # every sample's environment instance freed, however the rollout ended
+            for sample in samples:
+                if sample.session is not None:
+                    sample.session.close()
+
+    def _generate(self, samples: list[Transcript], prompt_ids: list[list[int]], *, n: int, greedy: bool,
+                  seed: int | None, rows: list[dict] | None) -> list[list[Completion]]:  # fmt: skip
         per_turn = self.sampling.max_new_tokens
         first = dict(
             n=n, greedy=greedy, seed=seed, stop=self.stops, max_new_tokens=min(per_turn, self.max_tokens)
         )
-        if self.environment is not None and self._start_sessions(samples, rows, n):
-            # some reset gave text: each sample's first turn follows its own inserted text
+        if self.environment is not None and self._start_sessions(samples, rows, n, seed):
+            # some reset gave text its group did not share: each sample's first turn follows its own text
             room = max(self.max_tokens - len(s.ids) for s in samples)
             self._continue(samples, greedy=greedy, seed=seed, stop=self.stops,
                            max_new_tokens=min(per_turn, room))  # fmt: skip
         else:
+            prompt_ids = [
+                samples[g * n].prompt for g in range(len(prompt_ids))
+            ]  # reset's text placed in some
             if self.keep_cache:
                 groups, kept = self.inner.generate_keeping(prompt_ids, **first)
             else:
@@ -162,24 +209,54 @@ class ToolEngine(RolloutEngine):
         for sample in samples:
             if (unclosed := self.toolset.unclosed(self._text(sample.last_turn))) is not None:
                 sample.calls.append(unclosed)
-        return [[s.completion() for s in samples[g * n : (g + 1) * n]] for g in range(len(prompt_ids))]
+        rewards = self._rewards(samples)
+        done = [s.completion(r) for s, r in zip(samples, rewards)]
+        return [done[g * n : (g + 1) * n] for g in range(len(prompt_ids))]
 
-    def _start_sessions(self, samples: list[Transcript], rows: list[dict] | None, n: int) -> bool:
+    def _rewards(self, samples: list[Transcript]) -> list[float | None]:
+        """Each sample's environment's `get_reward()` (at most `workers` at a time); None without one."""
+        if self.environment is None:
+            return [None] * len(samples)
+        with ThreadPoolExecutor(max_workers=self.workers) as pool:
+            return list(pool.map(lambda s: s.session.reward(), samples))
+
+    def _start_sessions(self, samples: list[Transcript], rows: list[dict] | None, n: int,
+                        seed: int | None) -> bool:  # fmt: skip
         """A new instance of the environment per sample, reset with its prompt's row (at most `workers`
-        at a time); a text that `reset` returns is inserted as the sample's first ids, as a tool result
-        is (masked). Whether any sample got such text."""
+        at a time). A text that `reset` returns goes where TRL puts it, at the end of the prompt's last
+        user message, where the group's K samples got the same text (the group's prompt stays one, shared
+        by its K samples: `in_prompt`); where they differ it is inserted as each sample's first ids, as a
+        tool result is (masked). Whether any sample got such inserted text."""
         if rows is None or len(rows) * n != len(samples):
             raise ValueError("an environment's rollout needs each prompt's row (generate(..., rows=...))")
+        per_sample = [row for row in rows for _ in range(n)]
+        seeds = [session_seed(seed, i) for i in range(len(samples))]
         with ThreadPoolExecutor(max_workers=self.workers) as pool:
-            sessions = list(pool.map(self.environment.fn, [row for row in rows for _ in range(n)]))
+            sessions = list(pool.map(self.environment.fn, per_sample, seeds))
         inserted = False
-        for sample, session in zip(samples, sessions):
-            sample.session = session
-            if session.observation is not None:
-                ids = self.toolset.insert_ids(session.observation, self.tokenizer)[: self.max_tokens - 1]
-                sample.ids, sample.logprobs, sample.policy = list(ids), [0.0] * len(ids), [0] * len(ids)
-                inserted = True
+        for g in range(len(rows)):
+            group = samples[g * n : (g + 1) * n]
+            texts = {session.observation for session in sessions[g * n : (g + 1) * n]}
+            shared = len(texts) == 1 and None not in texts
+            placed = self.in_prompt(group[0].prompt, texts.pop()) if shared else None
+            for sample, session in zip(group, sessions[g * n : (g + 1) * n]):
+                sample.session = session
+                if placed is not None:
+                    sample.prompt, sample.prompt_changed = placed, True
+                elif session.observation is not None:
+                    ids = self.toolset.insert_ids(session.observation, self.tokenizer)[: self.max_tokens - 1]
+                    sample.ids, sample.logprobs, sample.policy = list(ids), [0.0] * len(ids), [0] * len(ids)
+                    sample.reset_text_after = inserted = True
         return inserted
+
+    def in_prompt(self, prompt_ids: list[int], text: str) -> list[int]:
+        """The prompt with `text` appended to its last user message, as TRL appends reset's text (no
+        separator): before the chat template's end of that message and the assistant's header, where
+        the prompt ends with them, else at the prompt's end; the whole text tokenised again."""
+        prompt = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        tail = user_message_tail(self.tokenizer)
+        at = len(prompt) - len(tail) if tail and prompt.endswith(tail) else len(prompt)
+        return self.tokenizer(prompt[:at] + text + prompt[at:], add_special_tokens=False).input_ids
 
     def _continue(self, rows: list[Transcript], **settings) -> None:
         """One more turn of each of `rows`, from exactly its ids so far (from the kept cache, where
@@ -241,8 +318,11 @@ class ToolEngine(RolloutEngine):
             sample.waiting = True
 
 
+# Completion.environment_events, counted per step
+ENVIRONMENT_EVENTS = ("reset_failed", "reward_failed", "worker_lost", "session_lost", "reset_text_in_prompt",
+                      "reset_text_after")  # fmt: skip
 TOOL_COUNTS = ("samples", "calls", "used", "errors", "timeouts", "truncated", "unclosed", "turns", "seconds",
-               "generated", "inserted")  # fmt: skip
+               "generated", "inserted", "crashes", *ENVIRONMENT_EVENTS)  # fmt: skip
 
 
 def tool_counts(completions: list[Completion]) -> list[float]:
@@ -261,6 +341,8 @@ def tool_counts(completions: list[Completion]) -> list[float]:
         float(sum(call.seconds for call in made)),
         float(sum(len(c.token_ids) - c.inserted for c in completions)),
         float(sum(c.inserted for c in completions)),
+        float(sum(call.status == "crashed" for call in made)),
+        *(float(sum(c.environment_events.count(kind) for c in completions)) for kind in ENVIRONMENT_EVENTS),
     ]
 
 
@@ -280,7 +362,30 @@ def tool_stats(counts: list[float]) -> dict[str, float]:
         "perf/tool_seconds": n["seconds"],  # the calls' own seconds, summed (tools.workers run at a time)
         "tools/generated_tokens": n["generated"],
         "tools/inserted_tokens": n["inserted"],
+        # an environment's failures (environment._target_): calls whose worker process exited, died by a
+        # signal or ran out of memory; samples whose constructor or reset failed; get_reward failures (also
+        # in rollout/unscorable); worker processes killed or dead (timeouts and crashes in calls, resets and
+        # get_reward); samples whose instance went down with a worker another sample's call ended
+        "tools/crashes": n["crashes"],
+        "tools/env_reset_failures": n["reset_failed"],
+        "tools/env_reward_failures": n["reward_failed"],
+        "tools/env_workers_lost": n["worker_lost"],
+        "tools/env_sessions_lost": n["session_lost"],
+        # samples whose reset's text went into their group's shared prompt (the K texts agreed), and
+        # samples whose text was inserted after the prompt (they differed)
+        "tools/env_reset_text_in_prompt": n["reset_text_in_prompt"],
+        "tools/env_reset_text_after": n["reset_text_after"],
     }
+
+
+FAILURE_EVENTS = ("reset_failed", "reward_failed", "worker_lost", "session_lost")  # an instance that failed
+
+
+def environment_failures(groups: list[list[Completion]]) -> torch.Tensor:
+    """[B] each group's samples whose environment instance failed (`FAILURE_EVENTS`): validation's
+    count of what the training steps count in `tools/env_*`."""
+    return torch.tensor([float(sum(any(e in FAILURE_EVENTS for e in c.environment_events) for c in g))
+                         for g in groups])  # fmt: skip
 
 
 def used_a_tool(groups: list[list[Completion]]) -> torch.Tensor | None:

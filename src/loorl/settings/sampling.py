@@ -93,12 +93,44 @@ class ToolsSettings(Section):
             )
 
 
+EnvironmentIsolation = Literal["process", "thread"]
+
+
 @dataclass(frozen=True, config=SCHEMA)
 class EnvironmentSettings(Section):
     """`environment`: a class written to TRL's `environment_factory` contract, its public methods the
     policy's tools (`loorl.tools.environment`; its calls run under `tools.*`'s limits)."""
 
     target: str | None = None  # `_target_` in YAML: the class (mypkg.MyEnv); None: no environment
+    isolation: EnvironmentIsolation = "process"  # process: each sample's instance in a worker process,
+    # killed on a timeout, exit, crash or memory overrun (the run goes on) | thread: in the training
+    # process, as TRL (a hang keeps its thread, an exit or crash ends the run)
+    memory_mb: PositiveInt = 1024  # isolation process: what each worker may map beyond its imports
+    workers: PositiveInt | None = None  # isolation process: worker processes at most; None: one per sample
+    # in flight (no sample shares a worker), kept and reused across steps
+    tools_in_prompt: bool = True  # as TRL: every prompt a task renders with a chat template gets the
+    # tools' schemas as `tools=` (`Task.prompt_tools`); plain-text prompts (no chat template: the tiny
+    # model) are unchanged; false: no tools in the prompt (describe them in task.system_prompt)
+    routes: dict[str, str] = Field(default_factory=dict)  # several environments by name (TRL's dict
+    # environment_factory): each prompt's row names its own in the column `route_column`
+    route_column: str = "environment"  # the row's column that names its environment (TRL's field)
+
+    def __post_init__(self) -> None:
+        if self.target and self.routes:
+            raise ConfigError(
+                f"environment._target_={self.target} and environment.routes are both set: name one class, "
+                "or several by name in routes (environment._target_=null)"
+            )
+
+    @property
+    def chosen(self) -> str | dict[str, str] | None:
+        """The environment class, or the routes' classes by name; None: no environment."""
+        return self.target or dict(self.routes) or None
+
+    @property
+    def described(self) -> str:
+        """How the run's error messages name it."""
+        return f"environment._target_={self.target}" if self.target else "environment.routes"
 
 
 def completion_budget(max_new_tokens: int, max_turns: int, max_tokens: int | None) -> int:

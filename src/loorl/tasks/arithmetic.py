@@ -126,6 +126,7 @@ class ChatArithmeticTask(ArithmeticTask):
             tokenizer=self.tokenizer,
             use_chat_template=self.chat_template if self.tokenizer is not None else False,
             system_prompt=self.system_prompt,
+            tools=self.tools_for({}),
         )
         return Prompt(text=text, answer=str(a + b), meta={"a": a, "b": b, "question": question})
 

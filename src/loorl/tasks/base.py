@@ -14,6 +14,18 @@ class Task(ABC):
     """A prompt distribution with a reward. Subclasses are instantiated from `conf/task/*.yaml`."""
 
     name: str = "task"
+    # The tools' JSON schemas a prompt rendered with a chat template carries, as its `tools=`
+    # (`format_prompt(..., tools=self.prompt_tools)`): the environment's, set by `loorl.build.build_task`
+    # before `prepare` when `environment.tools_in_prompt`; None: none (plain-text prompts never carry them)
+    prompt_tools: list[dict] | dict[str, list[dict]] | None = None
+    route_column: str = "environment"  # with several environments (a dict above): the row's column naming its
+
+    def tools_for(self, columns: dict) -> list[dict] | None:
+        """The tools a prompt with these columns carries: `prompt_tools`, or with several environments
+        (`environment.routes`) the one its `route_column` names (none for a row that names none)."""
+        if isinstance(self.prompt_tools, dict):
+            return self.prompt_tools.get(columns.get(self.route_column))
+        return self.prompt_tools
 
     @abstractmethod
     def train_prompts(self, n: int, *, rng: np.random.Generator) -> list[Prompt]:

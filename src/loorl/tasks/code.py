@@ -198,6 +198,7 @@ class CodeTask(Task):
                 tokenizer=self.tokenizer,
                 use_chat_template=self.chat_template if self.tokenizer is not None else False,
                 system_prompt=self.system_prompt,
+                tools=self.tools_for({}),
             )
         return Prompt(text=text, answer=problem.solution, meta={"index": index, "task_id": problem.task_id})
 

@@ -313,6 +313,7 @@ def format_prompt(
     use_chat_template: bool | str = "auto",
     system_prompt: str | None = None,
     examples: Sequence[tuple[str, str]] = (),
+    tools: list[dict] | None = None,
 ) -> str:
     """The text the policy sees: `question suffix`, rendered with the tokenizer's chat template when asked.
 
@@ -320,6 +321,9 @@ def format_prompt(
     Without a chat template a `system_prompt` is put before the text, separated by a blank line.
     `examples`: worked (question, answer) pairs shown before the question, as earlier user and
     assistant turns of the chat (few-shot); as `question\nanswer` paragraphs in plain text.
+    `tools`: JSON schemas passed to the chat template as `tools=` (an environment's tools,
+    `environment.tools_in_prompt`; `or None`, as TRL: some templates write tool boilerplate for []);
+    unused in plain text. A template that fails on them, or writes no tool's name, is a ConfigError.
     """
     text = f"{question} {suffix}" if suffix else question
     if use_chat_template not in (True, False, "auto"):
@@ -336,7 +340,35 @@ def format_prompt(
     for q, a in examples:
         messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
     messages.append({"role": "user", "content": text})
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    if not tools:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return _render_with_tools(tokenizer, messages, tools)
+
+
+_NO_TOOLS_FIX = "set environment.tools_in_prompt=false (and describe the tools in task.system_prompt)"
+
+
+def _render_with_tools(tokenizer, messages: list[dict], tools: list[dict]) -> str:
+    """`messages` rendered with `tools=`, or a ConfigError where the template cannot write the tools:
+    it raises on them (and not without them), or a tool's name is no more often in the prompt than in
+    the messages themselves (the template dropped them: the policy would never read the schemas)."""
+    try:
+        rendered = tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=True
+        )
+    except Exception as err:  # noqa: BLE001 - a template may raise anything on tools it cannot write
+        tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)  # its own error
+        raise ConfigError(f"the chat template fails on the environment's tools= ({_one_line(err)}); "
+                          f"{_NO_TOOLS_FIX}") from None  # fmt: skip
+    said = " ".join(str(m["content"]) for m in messages)
+    for schema in tools:
+        name = schema.get("function", schema).get("name", "")
+        if rendered.count(name) <= said.count(name):
+            why = "it ignores tools="
+            raise ConfigError(
+                f"the chat template wrote no tool {name!r} into the prompt ({why}): {_NO_TOOLS_FIX}"
+            )
+    return rendered
 
 
 def filter_by_length(

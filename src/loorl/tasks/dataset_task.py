@@ -66,6 +66,7 @@ class DatasetTask(Task):
             tokenizer=tokenizer,
             use_chat_template=self.chat_template if tokenizer is not None else False,
             system_prompt=self.system_prompt,
+            tools=self.tools_for(example.columns),
         )
 
     @staticmethod

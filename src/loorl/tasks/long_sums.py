@@ -165,7 +165,8 @@ class ChatLongSumsTask(LongSumsTask):
         question = self.question.replace("{expression}", expression)
         text = format_prompt(question, tokenizer=self.tokenizer,
                              use_chat_template=self.chat_template if self.tokenizer is not None else False,
-                             system_prompt=self.system_prompt, examples=self.examples)  # fmt: skip
+                             system_prompt=self.system_prompt, examples=self.examples,
+                             tools=self.tools_for({}))  # fmt: skip
         return Prompt(text=text, answer=str(sum(terms)), meta={"expression": expression.replace(" ", "")})
 
     def extract_answer(self, prompt: Prompt, completion: str) -> str | None:

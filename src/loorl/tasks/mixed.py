@@ -87,6 +87,7 @@ class MixedTask(Task):
 
     def prepare(self, tokenizer, *, max_prompt_length: int) -> None:
         for task in self.sources.values():
+            task.prompt_tools, task.route_column = self.prompt_tools, self.route_column  # (set by build_task)
             task.prepare(tokenizer, max_prompt_length=max_prompt_length)
 
     def prompts_for_step(self, step: int, n: int, *, seed: int) -> list[Prompt]:

@@ -278,6 +278,7 @@ class ReasoningGymTask(Task):
             use_chat_template=self.chat_template if self.tokenizer is not None else False,
             system_prompt=self.system_prompt,
             examples=self._shots[source.name],
+            tools=self.tools_for({}),
         )
         meta = {"source": source.name, "level": level, "entry": entry, "question": entry["question"]}
         return Prompt(text=text, answer=str(entry["answer"]), meta=meta)

@@ -15,8 +15,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-# ToolCall.status values; `ok` is the only one whose result is the tool's own full answer
-STATUSES = ("ok", "error", "timeout", "truncated", "unclosed", "nested")
+# ToolCall.status values; `ok` is the only one whose result is the tool's own full answer; `crashed`: an
+# environment's worker process exited, died by a signal or ran out of memory in the call
+STATUSES = ("ok", "error", "timeout", "truncated", "unclosed", "nested", "crashed")
 
 
 class ToolError(Exception):
@@ -55,7 +56,7 @@ class ToolCall:
 
     @property
     def failed(self) -> bool:
-        return self.status in ("error", "timeout", "unclosed", "nested")
+        return self.status in ("error", "timeout", "unclosed", "nested", "crashed")
 
 
 def _call_in_thread(tool: Callable, text: str, timeout_s: float) -> tuple[bool, object, BaseException | None]:

@@ -172,18 +172,27 @@ def check_tags(tokenizer, tools: list[BoundTool], *, result_format: str) -> None
         seen[tool.name] = mine
 
 
-def build_toolset(settings: ToolsSettings, environment: str | None = None) -> ToolSet:
+def build_toolset(settings: ToolsSettings, environment: str | dict[str, str] | None = None, *,
+                  route_column: str = "environment", **isolation) -> ToolSet:  # fmt: skip
     """The tools of `tools.available`: each `_target_` imported (a class is built with the entry's
     other keys; a function takes them as keyword arguments after the call's text), with its tags;
     `environment`: an environment class (`environment._target_`), whose methods the policy calls
-    as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (`loorl.tools.environment`)."""
+    as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (`loorl.tools.environment`), or
+    several by name (`environment.routes`), each row's chosen by its `route_column`;
+    `isolation`: where its instances live (`environment.isolation`, `memory_mb`, `workers`)."""
     tools = []
     if environment:
-        from loorl.tools.environment import CALL_END, CALL_START, Environment
+        from loorl.tools.environment import CALL_END, CALL_START, Environment, Environments
 
-        env = Environment.of(
-            environment, timeout_s=settings.timeout_s, max_result_chars=settings.max_result_chars
-        )
+        def one(target: str) -> Environment:
+            return Environment.of(
+                target, timeout_s=settings.timeout_s, max_result_chars=settings.max_result_chars, **isolation
+            )
+
+        if isinstance(environment, str):
+            env = one(environment)
+        else:
+            env = Environments({name: one(target) for name, target in environment.items()}, route_column)
         tools.append(BoundTool(env.name, env.session, CALL_START, CALL_END, environment=env))
     for name, spec in settings.available.items():
         key = f"tools.available.{name}"

@@ -56,7 +56,9 @@ VALIDATION_METRICS = {  # tool_used: greedy answers that called a tool (tools.ma
     "correct": "accuracy", "reward": "reward", "pass_k": "pass_at_k", "maj_k": "maj_at_k",
     "tool_used": "tool_used_frac",
 }  # fmt: skip
-COUNTED_METRICS = {"unscorable": "unscorable"}  # summed over held-out prompts (and ranks), not averaged
+# summed over held-out prompts (and ranks), not averaged; env_failures: samples (greedy and sampled) whose
+# environment instance failed (environment._target_: a reset, get_reward or worker lost)
+COUNTED_METRICS = {"unscorable": "unscorable", "env_failures": "env_failures"}
 
 
 def minibatch_prompts(rl: RLSettings, *, seed: int, step: int, world_size: int = 1) -> list[list[int]]:

@@ -185,6 +185,7 @@ class Request:
     seed: int | None
     version: int | None
     autocast: torch.dtype | None  # the trainer's autocast dtype when the request was sent (None: off)
+    options: dict  # what else the engine's generate takes (`rows`, for an environment's)
 
 
 def serve(conn, engine: RolloutEngine, placement: Placement, threads: int) -> None:
@@ -222,7 +223,9 @@ def serve(conn, engine: RolloutEngine, placement: Placement, threads: int) -> No
                 device.type, dtype=request.autocast, enabled=request.autocast is not None
             )
             with autocast:
-                groups = engine.generate(request.prompt_ids, n=request.n, seed=request.seed)
+                groups = engine.generate(
+                    request.prompt_ids, n=request.n, seed=request.seed, **request.options
+                )
             engine.sleep()
             answer = ("ok", groups, time.perf_counter() - start)
         except Exception:  # noqa: BLE001 - the trainer raises it with this traceback
@@ -266,6 +269,7 @@ class ProcessEngine(RolloutEngine):
         self.blueprint = copy.deepcopy(inner)
         self.name = f"{inner.name} (sampler process on {placement.describe()})"
         self.generates_in_trainer_precision = inner.generates_in_trainer_precision
+        self.takes_rows = getattr(inner, "takes_rows", False)  # an environment's: its instances live there
         self.sampling, self.eos_token_ids = inner.sampling, inner.eos_token_ids
         self.pad_token_id = inner.pad_token_id
         self.process = self.conn = self.model = None
@@ -283,14 +287,14 @@ class ProcessEngine(RolloutEngine):
     def sleep(self) -> None:
         self.inner.sleep()
 
-    def generate(self, prompt_ids, *, n: int, greedy: bool = False, seed: int | None = None):
+    def generate(self, prompt_ids, *, n: int, greedy: bool = False, seed: int | None = None, **options):
         """In this process (validation), on every core: the request in flight is waited for first (the
         sampler is ahead of the trainer and mostly done by then), so that the process is idle while its
         cores are lent, and the thread count, and so the numerics, never depend on timing."""
         if self.waiting and self.answer is None:
             self.answer = self._answer()
         with self._all_cores():
-            return self.inner.generate(prompt_ids, n=n, greedy=greedy, seed=seed)
+            return self.inner.generate(prompt_ids, n=n, greedy=greedy, seed=seed, **options)
 
     @contextmanager
     def _all_cores(self):
@@ -309,9 +313,10 @@ class ProcessEngine(RolloutEngine):
             torch.set_num_threads(len(trainer_cores))
 
     # ---- sampling ahead, in the process ------------------------------------------------------------
-    def submit(self, prompt_ids: list[list[int]], *, n: int, seed: int | None = None) -> int:
+    def submit(self, prompt_ids: list[list[int]], *, n: int, seed: int | None = None, **options) -> int:
         """Send the weights of the last `sync` and a request; returns at once. Call it inside the trainer's
-        precision context (as `generate`): its autocast dtype goes with the request."""
+        precision context (as `generate`): its autocast dtype goes with the request. `options`: what else
+        the engine's generate takes (`rows`: an environment's instances are reset and run there)."""
         if self.waiting:
             raise RuntimeError("ProcessEngine.submit: the previous request has not been received")
         if self.weights is None:
@@ -326,7 +331,7 @@ class ProcessEngine(RolloutEngine):
         device = "cuda" if self.placement.device == "cuda" else "cpu"
         autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
         try:
-            self.conn.send(Request(prompt_ids, n, seed, self.version, autocast))
+            self.conn.send(Request(prompt_ids, n, seed, self.version, autocast, options))
         except (BrokenPipeError, ConnectionResetError):
             raise self._died("before it was sent a rollout") from None
         self.waiting = True
@@ -385,7 +390,9 @@ class ProcessEngine(RolloutEngine):
                             "output above; an exit code of -9 is often the out-of-memory killer")  # fmt: skip
 
     def close(self) -> None:
-        """Stop the process (after the request in flight, if any, is answered or given up)."""
+        """Stop the process (after the request in flight, if any, is answered or given up); the engine of
+        this process (validation's) closes too."""
+        self.inner.close()
         if self.process is None:
             return
         try:
