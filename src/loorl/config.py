@@ -172,6 +172,7 @@ def check_config(cfg: DictConfig) -> Settings:
         )
     if s.tools.max_turns:
         check_tools(s, engine)
+    sampler_placement_of(s)  # rollout.devices checked against the staleness, the strategy and the cores
     return s
 
 
