@@ -368,7 +368,8 @@ class ProcessSession(Session):
 
 def tools_prompt(target: str) -> str:
     """The tools of the environment class `target` as the Hermes block Qwen2.5's chat template writes
-    into its system prompt: for a task's `system_prompt` (`${loorl.environment_tools:...}`)."""
+    into its system prompt: for a task's `system_prompt` where `environment.tools_in_prompt=false` (with it
+    true, the chat template writes them from `tools=`, and this would write them twice)."""
     env = Environment.of(target, timeout_s=1.0, max_result_chars=1, isolation="thread")
     listed = "\n".join(json.dumps(schema) for schema in env.tools())
     return (
