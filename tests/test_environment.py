@@ -523,6 +523,14 @@ def test_every_environment_config_composes_and_checks(default_cfg, monkeypatch):
             ).environment.isolation
             == isolation
         )
+    from loorl.training.checkpoints import environment_identity
+
+    assert environment_identity(check_config(default_cfg()).environment) is None  # as in older checkpoints
+    assert (
+        environment_identity(s.environment) == "sum_calculator.SumCalculatorEnv (tools in prompt true)"
+        and environment_identity(routed.environment)
+        == "a: sum_calculator.SumCalculatorEnv, b: plugins.environments.Counter (tools in prompt true)"
+    )
     with pytest.raises(ConfigError, match="environment.isolation"):
         check_config(
             default_cfg("environment=sum_calculator", "tools.max_turns=1", "environment.isolation=fork")

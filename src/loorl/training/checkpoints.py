@@ -150,8 +150,19 @@ def run_identity(s, *, model: str, strategy: str) -> dict:
             "task": s.task.get("name"),
             "model.lora.alpha": None if s.model.lora is None else s.model.lora.lora_alpha,
             "tools": tools_identity(s.tools),
+            "environment": environment_identity(s.environment),
         },
     }
+
+
+def environment_identity(environment) -> str | None:
+    """The environment class (or the routes' classes) whose instances the run's samples called, and
+    whether its prompts carry their tools; None without one (as in checkpoints written before). Where
+    the instances live (`isolation`) is not part of it: both places give the same run."""
+    if not environment.chosen:
+        return None
+    chosen = environment.target or ", ".join(f"{k}: {v}" for k, v in sorted(environment.routes.items()))
+    return f"{chosen} (tools in prompt {str(environment.tools_in_prompt).lower()})"
 
 
 def tools_identity(tools) -> str | None:
