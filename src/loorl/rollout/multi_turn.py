@@ -143,6 +143,8 @@ class ToolEngine(RolloutEngine):
         # instance of it per sample with
         self.environment = next((t for t in toolset.tools if t.environment is not None), None)
         self.takes_rows = self.environment is not None
+        # where reset's text goes in a prompt (`in_prompt`): the chat template rendered once, not per group
+        self.user_tail = user_message_tail(tokenizer) if self.takes_rows else ""
 
     # the wrapped engine's life cycle
     def sync(self, weights: PolicyWeights, version: int | None = None, *, force: bool = False) -> None:
@@ -254,7 +256,7 @@ class ToolEngine(RolloutEngine):
         separator): before the chat template's end of that message and the assistant's header, where
         the prompt ends with them, else at the prompt's end; the whole text tokenised again."""
         prompt = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
-        tail = user_message_tail(self.tokenizer)
+        tail = self.user_tail
         at = len(prompt) - len(tail) if tail and prompt.endswith(tail) else len(prompt)
         return self.tokenizer(prompt[:at] + text + prompt[at:], add_special_tokens=False).input_ids
 

@@ -72,11 +72,8 @@ class Worker:
 class WorkerPool:
     """The zygote and its workers for one environment class, started at the first session."""
 
-    def __init__(
-        self, cls: type, *, memory_mb: int, max_chars: int, workers: int | None, timeout_s: float
-    ) -> None:
-        self.cls, self.memory_mb, self.max_chars = cls, memory_mb, max_chars
-        self.max_workers, self.timeout_s = workers, timeout_s
+    def __init__(self, cls: type, *, memory_mb: int, max_chars: int, workers: int | None) -> None:
+        self.cls, self.memory_mb, self.max_chars, self.max_workers = cls, memory_mb, max_chars, workers
         self.zygote: subprocess.Popen | None = None
         self.control: socket.socket | None = None
         self.workers: list[Worker] = []

@@ -172,7 +172,7 @@ class Environment:
             return ThreadSession(self, row)
         if self._pool is None:
             self._pool = WorkerPool(self.cls, memory_mb=self.memory_mb, max_chars=self.max_result_chars,
-                                    workers=self.workers, timeout_s=self.timeout_s)  # fmt: skip
+                                    workers=self.workers)  # fmt: skip
         return ProcessSession(self, self._pool, row, seed)
 
     @property
