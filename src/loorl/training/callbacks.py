@@ -234,9 +234,15 @@ class RunSummary(L.Callback):
                         f"{pct(s[key + '_start'])} -> {pct(s[key + '_end'])}",
                     )
                 )
-        for source in sorted(
+        sources = sorted(
             k.removeprefix("val/accuracy/") for k in self.history if k.startswith("val/accuracy/")
-        ):
+        )
+        for metric in sorted(k for k in self.history if k.startswith("curriculum/level/")):
+            source, levels = metric.removeprefix("curriculum/level/"), self.series(metric)
+            if source not in sources:  # a task of one source (task=arithmetic's curriculum): its level alone
+                span = f"{levels[0]:.0f} -> {levels[-1]:.0f}"
+                rows.append((f"{source}: curriculum level (first -> last steps)", span))
+        for source in sources:
             acc = self.series(f"val/accuracy/{source}")
             reward = self.series(f"rollout/reward/{source}")
             window = max(1, min(10, len(reward) // 5))
