@@ -200,6 +200,42 @@ def test_run_i_of_every_setting_draws_the_same_prompts_in_the_same_order(which_e
     assert streams["rloo", 0] != streams["rloo", 1]
 
 
+def test_the_curriculum_study_evaluates_the_same_held_out_sets_in_every_setting():
+    """conf/study/curriculum.yaml: its settings differ only in how the training level moves; each
+    setting's task, built from its resolved config, holds out the same problems at levels 0, 1 and 2,
+    trains at the level its label says, and the tiny part's settings share one warm-started model."""
+    pytest.importorskip("reasoning_gym")
+    from hydra.utils import instantiate
+
+    from loorl.config import compose_config
+    from loorl.models.tiny import tiny_cache_key
+
+    study = load_study("curriculum")
+    assert study.title == "Curriculum against fixed difficulty"
+    assert str(study.report_dir) == "docs/research/curriculum"
+    for part, dataset, seeds in zip(study.parts, ("chain_sum", "spell_backward"), (3, 5)):
+        lines = []
+        check_part(part, echo=lines.append)
+        assert len(part.seeds) == seeds
+        assert [s.label for s in part.settings] == ["curriculum", "fixed_start", "fixed_reached"]
+        assert lines[1] == "  fixed_start: task.curriculum.enabled: True -> False"
+        assert f"task.curriculum.fixed_levels.{dataset}: <absent> -> 1" in lines[2]
+        assert ("curriculum", "fixed_start") in part.comparisons
+        assert ("curriculum", "fixed_reached") in part.comparisons
+        held, keys = {}, set()
+        for setting in part.settings:
+            cfg = compose_config(*setting.overrides, "seed=0", "output_dir=/tmp/unused")
+            task = instantiate(cfg.task)
+            assert task.source_names == [dataset]
+            assert task.eval_source_names == [dataset, f"{dataset}@L1", f"{dataset}@L2"]
+            held[setting.label] = [(p.meta["source"], p.text) for p in task.eval_prompts()]
+            level = {p.meta["level"] for p in task.prompts_for_step(0, 8, seed=0)}
+            assert level == {1 if setting.label == "fixed_reached" else 0}, setting.label
+            keys.add(tiny_cache_key(cfg.model.tiny, cfg.task))
+        assert held["curriculum"] == held["fixed_start"] == held["fixed_reached"]
+        assert len(keys) == 1  # (the smollm2 part has no tiny model: its key is unused)
+
+
 def test_the_pairing_check_on_histories():
     def history(*digests):
         return {"rollout/prompt_digest": [[i, d] for i, d in enumerate(digests)]}

@@ -512,7 +512,9 @@ class RolloutDataModule(L.LightningDataModule):
             "pass_k": None,
             "maj_k": None,
             "sources": [p.meta.get("source") for p in prompts],  # task=mix: each prompt's source
-            "source_names": self.task.source_names,
+            "source_names": self.task.eval_source_names,
+            # [n] the prompts the overall val/* metrics cover (task.eval_levels' sets: their source's only)
+            "in_overall": torch.tensor([p.meta.get("in_overall", True) for p in prompts]),
         }
         if self.pass_k > 0:
             step = self.trainer.global_step if self.trainer is not None else 0

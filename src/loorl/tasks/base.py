@@ -103,6 +103,14 @@ class Task(ABC):
         itself."""
         return []
 
+    @property
+    def eval_source_names(self) -> list[str]:
+        """The sources held-out accuracy is logged under (`val/accuracy/<source>`): `source_names`, and
+        the pseudo-sources of held-out sets that training never draws from (task=reasoning_gym's
+        `eval_levels`: `<name>@L<level>`). A held-out prompt with `meta["in_overall"]` False counts only
+        under its source, never in the overall `val/*` metrics. Default: `source_names`."""
+        return self.source_names
+
     def observe(self, step: int, outcomes: dict[str, list[int]]) -> dict[str, float]:
         """A training step's outcomes (1 correct, 0 not; unscorable samples left out), every rank's in
         rank, prompt and sample order: per source (`source_names`), or under the task's `name` for a

@@ -4,9 +4,13 @@ dataset's own `score_answer`, with an optional difficulty curriculum (`loorl.tas
 Problems: reasoning-gym generates item `idx` of a dataset from `random.Random(seed + idx)` under the
 dataset's config, so a problem is a pure function of (config, seed, idx), the same on every machine.
 The held-out set of a dataset is its first distinct problems from its own seed (`eval_seed`), at its
-starting level; a training draw whose question is one of them is drawn again, so the two are
-disjoint by construction, whatever the seeds and levels. A step's B prompts are split over the
-datasets by weight (largest remainders) and shuffled, a pure function of (seed, step) and the levels.
+starting level; `eval_levels` adds one such set per further level (the same seed: the starting level's
+set is the same with or without them), logged as the pseudo-source `<name>@L<level>` and left out of
+the overall `val/*` metrics (`meta["in_overall"]`). A training draw whose question is held out at any
+level is drawn again, so training and held-out problems are disjoint by construction, whatever the
+seeds and levels. A step's B prompts are split over the datasets by weight (largest remainders) and
+shuffled, a pure function of (seed, step) and the levels. `curriculum.fixed_levels` trains a dataset
+at another level than its starting one, the held-out sets and worked examples unchanged.
 
 Answers: the prompt teaches `<answer>...</answer>` (`system_prompt`, reasoning-gym's own prompts by
 name); the answer is the last such tag's text (reasoning-gym's `extract_answer`), and the dataset's
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import difflib
 import zlib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,7 +41,7 @@ from loorl.types import Prompt
 INSTALL = 'pip install -e ".[reasoning-gym]"'
 SCORING = ("exact", "library")
 DATASET_KEYS = ("weight", "level", "config")
-CURRICULUM_KEYS = ("enabled", "window", "raise_above", "lower_below", "range_mode")
+CURRICULUM_KEYS = ("enabled", "window", "raise_above", "lower_below", "range_mode", "fixed_levels")
 MAX_REDRAWS = 1000  # draws of one training problem before its dataset is called exhausted
 SIZE = 2**31  # the virtual size of a dataset: indices are drawn below it
 
@@ -77,6 +82,7 @@ class ReasoningGymTask(Task):
         curriculum: dict | None = None,
         eval_size: int = 50,
         eval_seed: int = 1234,
+        eval_levels: list[int] | None = None,
         system_prompt: str | None = "direct",
         chat_template: bool | str = "auto",
         answer_tag: str = "answer",
@@ -103,7 +109,7 @@ class ReasoningGymTask(Task):
         self.scoring, self.answer_tag, self.chat_template = scoring, answer_tag, chat_template
         self.system_prompt = SYSTEM_PROMPTS.get(system_prompt, system_prompt) if system_prompt else None
         cur = {"enabled": False, "window": 64, "raise_above": 0.8, "lower_below": None,
-               "range_mode": "inclusive", **dict(curriculum or {})}  # fmt: skip
+               "range_mode": "inclusive", "fixed_levels": None, **dict(curriculum or {})}  # fmt: skip
         unknown = set(cur) - set(CURRICULUM_KEYS)
         if unknown:
             raise ConfigError(f"task.curriculum.{sorted(unknown)[0]} is not a curriculum setting")
@@ -120,6 +126,10 @@ class ReasoningGymTask(Task):
             raise ConfigError("task.datasets has no dataset left (every entry is null): name at least one")
         self.datasets: dict[tuple[str, int | None, str], object] = {}  # (name, level, split) -> dataset
         leveled = {s.name: s.level for s in self.sources if s.level is not None}
+        self.eval_levels = self._eval_levels(eval_levels, leveled)
+        self.fixed_levels = self._fixed_levels(cur["fixed_levels"], leveled, enabled=bool(cur["enabled"]))
+        for name, level in self.fixed_levels.items():  # reasoning-gym's refusal of the level, now
+            self.dataset(self._by_name(name), level, "train")
         self.curriculum = None
         if cur["enabled"]:
             if not leveled:
@@ -136,8 +146,15 @@ class ReasoningGymTask(Task):
             )
         self.tokenizer, self.max_prompt_length = None, None  # set by prepare()
         self.skipped_long = 0  # training draws left out: their prompt was over the length limit
-        self._heldout = {s.name: self._heldout_entries(s) for s in self.sources}
+        self._heldout = {s.name: self._heldout_entries(s, s.level) for s in self.sources}
+        self._extra_heldout = {  # (name, level) -> its held-out set at a further level (eval_levels)
+            (s.name, level): self._heldout_entries(s, level)
+            for s in self.sources
+            for level in self.extra_levels(s)
+        }
         self._heldout_questions = {n: {e["question"] for e in es} for n, es in self._heldout.items()}
+        for (name, _), entries in self._extra_heldout.items():  # excluded from training at every level
+            self._heldout_questions[name] |= {e["question"] for e in entries}
         self._shots = {s.name: self._shot_entries(s, shots) for s in self.sources}
 
     # ---- configuration ---------------------------------------------------------------------------
@@ -182,6 +199,58 @@ class ReasoningGymTask(Task):
             level = int(level)
         return Source(name, weight, level, config)
 
+    def _eval_levels(self, eval_levels, leveled: dict[str, int]) -> list[int]:
+        """`task.eval_levels` checked: distinct levels in order; [] for null."""
+        if eval_levels is None:
+            return []
+        if isinstance(eval_levels, str) or not isinstance(eval_levels, Sequence):
+            raise ConfigError(
+                f"task.eval_levels={eval_levels!r} is not a list of levels: give one such as [1, 2], or null"
+            )
+        bad = [v for v in eval_levels if isinstance(v, bool) or not isinstance(v, int) or v < 0]
+        if bad:
+            raise ConfigError(
+                f"task.eval_levels has {bad[0]!r}: levels are whole numbers from 0 (reasoning-gym's global "
+                "levels), such as [1, 2]"
+            )
+        if eval_levels and not leveled:
+            raise ConfigError(
+                "task.eval_levels adds held-out sets at other levels, and no dataset of task.datasets has "
+                "a level: give a dataset a starting level (task.datasets.<name>.level=0) or set it to null"
+            )
+        return sorted(set(eval_levels))
+
+    def _fixed_levels(self, fixed, leveled: dict[str, int], *, enabled: bool) -> dict[str, int]:
+        """`task.curriculum.fixed_levels` checked: dataset -> the level it trains at throughout."""
+        if not fixed:
+            return {}
+        key = "task.curriculum.fixed_levels"
+        if not isinstance(fixed, Mapping):
+            raise ConfigError(f"{key}={fixed!r} is not a mapping: give one such as {{chain_sum: 1}}, or null")
+        if enabled:
+            raise ConfigError(
+                f"{key} holds training levels fixed, and the curriculum moves them: set "
+                "task.curriculum.enabled=false, or fixed_levels: null"
+            )
+        out = {}
+        for name, level in fixed.items():
+            if name not in leveled:
+                raise ConfigError(
+                    f"{key}.{name}: not a dataset of task.datasets with a level (task.datasets.{name}.level)"
+                )
+            top = self.max_level(name)
+            if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= top:
+                raise ConfigError(f"{key}.{name}={level!r}: a level from 0 to {name}'s highest, {top}")
+            out[name] = level
+        return out
+
+    def extra_levels(self, source: Source) -> list[int]:
+        """The further levels `source` is held out at (`eval_levels`): those it has, but its starting one."""
+        if source.level is None:
+            return []
+        top = self.max_level(source.name)
+        return [lv for lv in self.eval_levels if lv <= top and lv != source.level]
+
     @staticmethod
     def _ruled_fields(curriculum) -> set[str]:
         """The config fields a reasoning-gym curriculum sets from its level."""
@@ -209,7 +278,8 @@ class ReasoningGymTask(Task):
                 curriculum = create_curriculum(source.name)
                 curriculum.set_global_level(level)
                 config = curriculum.generate_configuration(defaults, context=self.context)
-            config.validate()
+            if hasattr(config, "validate"):  # not every dataset's config has one (power_function's)
+                config.validate()
         except (TypeError, ValueError, AssertionError) as err:
             raise ConfigError(
                 f"task.datasets.{source.name}: reasoning-gym refuses its config: {err}"
@@ -244,9 +314,10 @@ class ReasoningGymTask(Task):
                 out.append(entry)
         return out
 
-    def _heldout_entries(self, source: Source) -> list[dict]:
-        """The first `eval_size` distinct problems of the dataset's eval stream, at its starting level."""
-        ds = self.dataset(source, source.level, "eval")
+    def _heldout_entries(self, source: Source, level: int | None) -> list[dict]:
+        """The first `eval_size` distinct problems of the dataset's eval stream at `level` (its starting
+        one, or one of `eval_levels`: the stream's seed is the same at every level)."""
+        ds = self.dataset(source, level, "eval")
         return self._distinct(ds, self.eval_size, draws=self.eval_size * 20)
 
     def _shot_entries(self, source: Source, shots: int) -> list[tuple[str, str]]:
@@ -265,13 +336,19 @@ class ReasoningGymTask(Task):
     def source_names(self) -> list[str]:
         return [s.name for s in self.sources]
 
+    @property
+    def eval_source_names(self) -> list[str]:
+        """The datasets, then each further held-out set (`eval_levels`) as `<name>@L<level>`."""
+        return self.source_names + [f"{name}@L{level}" for name, level in self._extra_heldout]
+
     def level_of(self, name: str) -> int | None:
-        """The dataset's current training level (its starting one without a curriculum)."""
+        """The dataset's current training level: the curriculum's, else `fixed_levels`' or its starting
+        one."""
         if self.curriculum is not None and name in self.curriculum.levels:
             return self.curriculum.levels[name]
-        return self._by_name(name).level
+        return self.fixed_levels.get(name, self._by_name(name).level)
 
-    def _prompt(self, source: Source, entry: dict, level: int | None) -> Prompt:
+    def _prompt(self, source: Source, entry: dict, level: int | None, *, heldout_at: str = "") -> Prompt:
         text = format_prompt(
             entry["question"],
             tokenizer=self.tokenizer,
@@ -280,7 +357,10 @@ class ReasoningGymTask(Task):
             examples=self._shots[source.name],
             tools=self.tools_for({}),
         )
-        meta = {"source": source.name, "level": level, "entry": entry, "question": entry["question"]}
+        meta = {"source": source.name + heldout_at, "dataset": source.name, "level": level}
+        meta |= {"entry": entry, "question": entry["question"]}
+        if heldout_at:  # a further level's held-out set: its own val/accuracy/<name>@L<level> only
+            meta["in_overall"] = False
         return Prompt(text=text, answer=str(entry["answer"]), meta=meta)
 
     def _too_long(self, text: str) -> bool:
@@ -288,9 +368,12 @@ class ReasoningGymTask(Task):
             return False
         return len(self.tokenizer(text, add_special_tokens=False).input_ids) > self.max_prompt_length
 
-    def _draw(self, source: Source, count: int, rng: np.random.Generator) -> list[Prompt]:
-        """`count` training problems of `source` at its current level, none of them held out."""
-        level = self.level_of(source.name)
+    def _draw(
+        self, source: Source, count: int, rng: np.random.Generator, level: int | None = None
+    ) -> list[Prompt]:
+        """`count` training problems of `source` at `level` (None: its current one), none of them held
+        out at any level."""
+        level = self.level_of(source.name) if level is None else level
         ds, held, out = self.dataset(source, level, "train"), self._heldout_questions[source.name], []
         while len(out) < count:
             for _ in range(MAX_REDRAWS):
@@ -311,14 +394,20 @@ class ReasoningGymTask(Task):
                 )
         return out
 
-    def train_prompts(self, n: int, *, rng: np.random.Generator) -> list[Prompt]:
+    def train_prompts(self, n: int, *, rng: np.random.Generator, starting: bool = False) -> list[Prompt]:
+        """`n` training prompts at the datasets' current levels (`starting`: their starting levels)."""
         out = []
         for source, count in zip(self.sources, quotas(n, [s.weight for s in self.sources])):
-            out += self._draw(source, count, rng)
+            out += self._draw(source, count, rng, source.level if starting else None)
         return [out[i] for i in rng.permutation(len(out))]
 
     def eval_prompts(self) -> list[Prompt]:
-        return [self._prompt(s, e, s.level) for s in self.sources for e in self._heldout[s.name]]
+        """Each dataset's held-out set at its starting level, then those at `eval_levels` (its prompts'
+        source `<name>@L<level>`, left out of the overall metrics: `meta["in_overall"]`)."""
+        out = [self._prompt(s, e, s.level) for s in self.sources for e in self._heldout[s.name]]
+        for (name, level), entries in self._extra_heldout.items():
+            out += [self._prompt(self._by_name(name), e, level, heldout_at=f"@L{level}") for e in entries]
+        return out
 
     def prepare(self, tokenizer, *, max_prompt_length: int) -> None:
         """Render prompts with the tokenizer from now on; held-out prompts must fit the length limit,
@@ -328,14 +417,15 @@ class ReasoningGymTask(Task):
         for p in self.eval_prompts():
             ids = tokenizer(p.text, add_special_tokens=False).input_ids
             if len(ids) > max_prompt_length:
+                fix = "task.eval_levels" if p.meta.get("in_overall") is False else "its level"
                 raise ConfigError(
-                    f"a held-out {p.meta['source']} prompt has {len(ids)} tokens, more than "
-                    f"rollout.max_prompt_length={max_prompt_length}: raise the limit or lower its level"
+                    f"a held-out {p.meta['source']} prompt (level {p.meta['level']}) has {len(ids)} tokens, "
+                    f"more than rollout.max_prompt_length={max_prompt_length}: raise the limit or lower {fix}"
                 )
             if unk is not None and unk in ids:
                 bad = sorted({c for c in p.text if unk in tokenizer(c, add_special_tokens=False).input_ids})
                 raise ConfigError(
-                    f"task.datasets.{p.meta['source']}: the tokenizer has no token for {bad[:5]} in its "
+                    f"task.datasets.{p.meta['dataset']}: the tokenizer has no token for {bad[:5]} in its "
                     "prompts: choose datasets whose text it covers, or a model with a byte-level tokenizer"
                 )
 
@@ -347,7 +437,7 @@ class ReasoningGymTask(Task):
 
     def score(self, prompt: Prompt, answer: str | None) -> float:
         """reasoning-gym's own score of an extracted answer (the dataset's `score_answer`)."""
-        source = self._by_name(prompt.meta["source"])
+        source = self._by_name(prompt.meta.get("dataset", prompt.meta["source"]))
         return float(
             self.dataset(source, prompt.meta["level"], "train").score_answer(answer, prompt.meta["entry"])
         )
@@ -384,7 +474,12 @@ class ReasoningGymTask(Task):
 
     def run_facts(self) -> dict[str, str]:
         parts = [
-            f"{s.name} (weight {s.weight:g}, level {s.level}, {len(self._heldout[s.name])} held out)"
+            f"{s.name} (weight {s.weight:g}, level {s.level}, {len(self._heldout[s.name])} held out"
+            + "".join(
+                f", {len(self._extra_heldout[s.name, lv])} at level {lv}" for lv in self.extra_levels(s)
+            )
+            + (f"; trained at level {self.fixed_levels[s.name]}" if s.name in self.fixed_levels else "")
+            + ")"
             for s in self.sources
         ]  # fewer than eval_size: the dataset has no more distinct ones
         facts = {"reasoning-gym": ", ".join(parts) + f"; scoring={self.scoring}"}
@@ -395,5 +490,6 @@ class ReasoningGymTask(Task):
         return facts
 
     def sft_examples(self, n: int, *, rng: np.random.Generator) -> list[tuple[str, str]]:
-        """The tiny model's warm start: training problems answered in the taught format."""
-        return [(p.text, self.tagged(p.answer)) for p in self.train_prompts(n, rng=rng)]
+        """The tiny model's warm start: training problems at the starting levels (whatever the curriculum
+        or `fixed_levels`, which the tiny model's cache key leaves out), answered in the taught format."""
+        return [(p.text, self.tagged(p.answer)) for p in self.train_prompts(n, rng=rng, starting=True)]

@@ -61,6 +61,17 @@ VALIDATION_METRICS = {  # tool_used: greedy answers that called a tool (tools.ma
 COUNTED_METRICS = {"unscorable": "unscorable", "env_failures": "env_failures"}
 
 
+def overall_rows(results: dict) -> dict[str, torch.Tensor | None]:
+    """The per-prompt metrics of `results` (VALIDATION_METRICS, COUNTED_METRICS) over the prompts the
+    overall `val/<metric>` covers (`in_overall`; None: all): task=reasoning_gym's `eval_levels` sets are
+    logged only as `val/accuracy/<name>@L<level>`, so `val/accuracy` keeps meaning the starting levels'."""
+    keep = results.get("in_overall")  # [n] bool
+    out = {key: results.get(key) for key in (*VALIDATION_METRICS, *COUNTED_METRICS)}
+    if keep is None or bool(keep.all()):
+        return out
+    return {key: None if v is None else v[keep.to(v.device)] for key, v in out.items()}
+
+
 def minibatch_prompts(rl: RLSettings, *, seed: int, step: int, world_size: int = 1) -> list[list[int]]:
     """This rank's groups in each optimizer step of RL step `step`, as indices into its own B/W groups.
 
@@ -378,18 +389,21 @@ class PolicyGradientModule(L.LightningModule):
         """`results`: the DataModule's per-prompt metrics [n] (`RolloutDataModule.heldout_results`);
         pass@k and maj@k are None when not measured. Each is averaged over all held-out prompts (and
         ranks), NaN entries (unscorable samples, prompts a metric does not apply to) left out;
-        `unscorable` is summed."""
-        n = len(results["correct"])
+        `unscorable` is summed; prompts whose `in_overall` is False (task.eval_levels' sets) count only
+        in their source's `val/accuracy/<source>` (`overall_rows`)."""
+        overall = overall_rows(results)
+        n = len(overall["correct"])  # 0: a batch of eval_levels' prompts only (logged, not updated)
         for key, name in VALIDATION_METRICS.items():
-            if results.get(key) is None:
+            if overall.get(key) is None:
                 continue
             metric = self.val_metrics[name]
-            metric.update(results[key].float())
+            if n:
+                metric.update(overall[key].float())
             self.log(f"val/{name}", metric, on_step=False, on_epoch=True, batch_size=n,
                      prog_bar=name == "accuracy")  # fmt: skip
         for key, name in COUNTED_METRICS.items():
-            if results.get(key) is not None:
-                self.val_counts[name].update(results[key].float().sum())
+            if overall.get(key) is not None:
+                self.val_counts[name].update(overall[key].float().sum())
                 self.log(f"val/{name}", self.val_counts[name], on_step=False, on_epoch=True, batch_size=n,
                          metric_attribute=f"val_counts.{name}")  # fmt: skip
         for source in results.get("source_names") or []:  # task=mix: accuracy per source as well
