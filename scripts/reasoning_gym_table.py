@@ -6,11 +6,18 @@ mean level), and the run's wall time and peak memory; then the mean over runs.
 
 Each argument is a run folder (its metrics.json; curriculum levels from it, or from csv/metrics.csv
 for a run whose metrics.json predates them).
+
+    python scripts/reasoning_gym_table.py --answers letter_counting outputs/rg_seed0
+
+prints instead what one dataset's held-out greedy answers were at the first and the last validation
+(the run needs `sample_rows=-1`): how often each answer was given, how often it was right, and the
+accuracy of the best constant answer, which a policy that does not read the question can reach.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import csv
 import json
 import math
@@ -63,13 +70,49 @@ def markdown(runs: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+def heldout_answers(run: Path, dataset: str) -> str:
+    """The markdown of `dataset`'s held-out greedy answers at the run's first and last validation:
+    right and wrong are the run's own grading (samples.csv's `correct`: reasoning-gym's scorer)."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    task = instantiate(OmegaConf.load(run / "config.yaml").task)
+    truth = {p.meta["question"]: p.answer for p in task.eval_prompts() if p.meta["source"] == dataset}
+    by_step: dict[int, list[tuple[str, bool]]] = collections.defaultdict(list)  # step -> (given, right)
+    with (run / "samples.csv").open(newline="") as f:
+        for row in csv.DictReader(f):
+            question = next((q for q in truth if q in row["prompt"]), None)
+            if question is not None:
+                given = task.extract_answer(None, row["completion"])
+                right = row["correct"] in ("True", "1", "1.0")
+                by_step[int(row["step"])].append(("(no answer)" if given is None else given, right))
+    if not by_step:
+        raise SystemExit(f"{run}/samples.csv holds no held-out {dataset} problem: run with sample_rows=-1")
+    steps = sorted(by_step)
+    best, hits = collections.Counter(truth.values()).most_common(1)[0]
+    lines = [f"{dataset}: {len(truth)} held-out problems; the best constant answer, {best!r}, is right on "
+             f"{100 * hits / len(truth):.0f}%", "",
+             "| step | accuracy | answers given (count: right) |", "| --- | --- | --- |"]  # fmt: skip
+    for step in (steps[0], steps[-1]):
+        rows = by_step[step]
+        counts = collections.Counter(g for g, _ in rows)
+        right_by = collections.Counter(g for g, ok in rows if ok)
+        given = ", ".join(f"{g!r} {n}: {right_by[g]}" for g, n in counts.most_common())
+        lines.append(f"| {step} | {100 * sum(right_by.values()) / len(rows):.0f}% | {given} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("runs", nargs="+", type=Path, help="run folders")
+    parser.add_argument("--answers", metavar="DATASET", help="one dataset's held-out answers instead")
     args = parser.parse_args()
-    print(markdown({run.name: load_run(run) for run in args.runs}))
+    if args.answers:
+        print("\n\n".join(heldout_answers(run, args.answers) for run in args.runs))
+    else:
+        print(markdown({run.name: load_run(run) for run in args.runs}))
 
 
 if __name__ == "__main__":

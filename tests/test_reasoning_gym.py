@@ -205,7 +205,7 @@ def test_the_tiny_tokenizer_covers_the_tiny_experiments_prompts(tiny_tokenizer):
     ("experiment", "sources"),
     [
         ("tiny_reasoning_gym", ["chain_sum", "letter_counting"]),
-        ("smollm2_reasoning_gym", ["chain_sum", "products", "leg_counting", "letter_counting"]),
+        ("smollm2_reasoning_gym", ["chain_sum", "basic_arithmetic", "products"]),
     ],
 )
 def test_the_experiments_compose_and_build_their_mixtures_with_the_curriculum_on(
@@ -235,3 +235,38 @@ def test_training_prompts_over_the_length_limit_are_drawn_again_and_counted_thro
     resumed.load_state_dict(task.state_dict())
     assert resumed.skipped_long == task.skipped_long and resumed.level_of("chain_sum") == 4
     assert task.observe(4, {})["rollout/skipped_long_prompts"] == float(task.skipped_long)
+
+
+def test_the_answers_table_counts_each_answer_given_and_the_best_constant(tmp_path):
+    """scripts/reasoning_gym_table.py --answers: per answer given, how often and how often right (the
+    run's own grading), at the first and last validation, beside the best constant answer's accuracy;
+    what showed letter_counting's, gcd's and count_bits' gains to be one answer given to every problem
+    (docs/how-to/reasoning-gym.md)."""
+    import csv
+    import importlib.util
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "reasoning_gym_table.py"
+    spec = importlib.util.spec_from_file_location("reasoning_gym_table", script)
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    cfg = {"_target_": "loorl.tasks.reasoning_gym.ReasoningGymTask", "datasets": {"chain_sum": {"level": 0}},
+           "eval_size": 4, "system_prompt": None, "shots": 0, "chat_template": False}  # fmt: skip
+    OmegaConf.save({"task": cfg}, tmp_path / "config.yaml")
+    held = [p for p in make(**{k: v for k, v in cfg.items() if k != "_target_"}).eval_prompts()]
+    with (tmp_path / "samples.csv").open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["step", "prompt", "completion", "reward", "correct"])
+        for p in held:  # step 0: "1" to every problem; step 20: the right answer to the first two
+            w.writerow([0, p.text, "<answer>1</answer>", float(p.answer == "1"), p.answer == "1"])
+        for i, p in enumerate(held):
+            given = p.answer if i < 2 else "x"
+            w.writerow([20, p.text, f"<answer>{given}</answer>", float(i < 2), i < 2])
+    text = table.heldout_answers(tmp_path, "chain_sum")
+    ones = sum(p.answer == "1" for p in held)
+    assert f"| 0 | {100 * ones / 4:.0f}% | '1' 4: {ones} |" in text
+    assert text.splitlines()[-1].startswith("| 20 | 50% | ") and "'x' 2: 0" in text
+    most = max([p.answer for p in held].count(a) for a in {p.answer for p in held})
+    assert f"is right on {100 * most / 4:.0f}%" in text.splitlines()[0]
