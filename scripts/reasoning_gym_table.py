@@ -1,6 +1,7 @@
 """The markdown table of reasoning-gym runs (`task=reasoning_gym`): per run and dataset, held-out
 greedy accuracy at the first and last validation, the curriculum level at the end (the mean row: the
-mean level), and the run's wall time and peak memory; then the mean over runs.
+mean level), the run's wall time, its peak memory and its training steps' (the largest of their phases'
+peaks: where the run's is higher, validation, start-up or the export set it); then the mean over runs.
 
     python scripts/reasoning_gym_table.py outputs/rg_seed0 outputs/rg_seed1 outputs/rg_seed2
 
@@ -42,13 +43,16 @@ def load_run(run: Path) -> dict:
             name = key.removeprefix("val/accuracy/")
             lv = levels.get(f"curriculum/level/{name}", [])
             datasets[name] = {"first": xs[0][1], "last": xs[-1][1], "level": lv[-1] if lv else math.nan}
+    phases = [v for k, v in summary.items() if k.endswith("_peak_host_gb") and k != "peak_host_gb"]
     return {"datasets": datasets, "wall": summary["wall_seconds"], "peak": summary["peak_host_gb"],
+            "train_peak": max(phases, default=math.nan),
             "first": history["val/accuracy"][0][1], "last": history["val/accuracy"][-1][1]}  # fmt: skip
 
 
 def markdown(runs: dict[str, dict]) -> str:
     names = list(next(iter(runs.values()))["datasets"])
-    head = ["run"] + [f"{n} first -> last (level)" for n in names] + ["all first -> last", "wall", "peak"]
+    head = ["run"] + [f"{n} first -> last (level)" for n in names]
+    head += ["all first -> last", "wall", "peak", "training steps' peak"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
 
     def cell(d: dict) -> str:
@@ -58,15 +62,17 @@ def markdown(runs: dict[str, dict]) -> str:
     for label, r in runs.items():
         cells = [cell(r["datasets"][n]) for n in names]
         accuracy = f"{100 * r['first']:.1f}% -> {100 * r['last']:.1f}%"
+        memory = f"{r['peak']:.2f} GB | {r['train_peak']:.2f} GB"
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {accuracy} "
-                     f"| {r['wall'] / 60:.1f} min | {r['peak']:.2f} GB |")  # fmt: skip
+                     f"| {r['wall'] / 60:.1f} min | {memory} |")  # fmt: skip
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     rs = list(runs.values())
     cells = [cell({k: mean([r["datasets"][n][k] for r in rs]) for k in ("first", "last", "level")})
              for n in names]  # fmt: skip
     lines.append("| mean | " + " | ".join(cells) + f" | {100 * mean([r['first'] for r in rs]):.1f}% -> "
                  f"{100 * mean([r['last'] for r in rs]):.1f}% | {mean([r['wall'] for r in rs]) / 60:.1f} min "
-                 f"| {max(r['peak'] for r in rs):.2f} GB (max) |")  # fmt: skip
+                 f"| {max(r['peak'] for r in rs):.2f} GB (max) "
+                 f"| {max(r['train_peak'] for r in rs):.2f} GB (max) |")  # fmt: skip
     return "\n".join(lines)
 
 
