@@ -70,12 +70,8 @@ class ArithmeticTask(Task):
                         f"task.curriculum.max_operands[{level}]={top} leaves level {level} no training pair "
                         "(all of them are held out, task.exclude_eval_from_train): raise it"
                     )
-            self.curriculum = Curriculum(
-                levels={name: 0},
-                max_levels={name: len(self.max_operands) - 1},
-                window=int(cur["window"]),
-                raise_above=float(cur["raise_above"]),
-                lower_below=None if cur["lower_below"] is None else float(cur["lower_below"]),
+            self.curriculum = Curriculum.from_settings(
+                cur, levels={name: 0}, max_levels={name: len(self.max_operands) - 1}
             )
 
     def _curriculum_settings(self, curriculum) -> dict:
@@ -193,13 +189,8 @@ class ArithmeticTask(Task):
     def run_facts(self) -> dict[str, str]:
         if self.curriculum is None:
             return {}
-        c = self.curriculum
-        lower = "never lowered" if c.lower_below is None else f"lowered under {c.lower_below:g}"
         tops = ", ".join(map(str, self.max_operands))
-        return {
-            "curriculum": f"operands up to {tops} by level; raise at >= {c.raise_above:g} over "
-            f"{c.window} samples, {lower}"
-        }
+        return {"curriculum": f"operands up to {tops} by level; {self.curriculum.describe()}"}
 
 
 class ChatArithmeticTask(ArithmeticTask):

@@ -15,6 +15,7 @@ when to move to the trainer (its verl recipe reads an accuracy in a callback); t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from loorl.errors import ConfigError
@@ -45,6 +46,24 @@ class Curriculum:
             )
         self.floors = {**dict(self.levels), **self.floors}
         self.recent = {name: list(self.recent.get(name, [])) for name in self.levels}
+
+    @classmethod
+    def from_settings(cls, settings: Mapping, *, levels: dict[str, int], max_levels: dict[str, int]):
+        """The curriculum of a task's `task.curriculum` settings (window, raise_above, lower_below) over
+        `levels` (source -> starting level), each source up to its `max_levels` entry."""
+        lower = settings.get("lower_below")
+        return cls(
+            levels=dict(levels),
+            max_levels=dict(max_levels),
+            window=int(settings["window"]),
+            raise_above=float(settings["raise_above"]),
+            lower_below=None if lower is None else float(lower),
+        )
+
+    def describe(self) -> str:
+        """The rule in words, for the run's facts: "raise at >= 0.8 over 64 samples, never lowered"."""
+        lower = "never lowered" if self.lower_below is None else f"lowered under {self.lower_below:g}"
+        return f"raise at >= {self.raise_above:g} over {self.window} samples, {lower}"
 
     def observe(self, step: int, outcomes: dict[str, list[int]]) -> dict[str, int]:
         """Record step `step`'s outcomes per source and move levels; returns {source: new level} of

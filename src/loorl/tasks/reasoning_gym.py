@@ -19,15 +19,13 @@ to an answer that merely contains the right one, which a policy can exploit by p
 scores 1/7 where 3 is right, a wrong answer 0): `scoring=exact` (the default) rewards 1 where the
 score is 1 and 0 otherwise; `scoring=library` passes the score through, partial credit included.
 
-reasoning-gym is an optional extra, imported only when this task is built.
+reasoning-gym is an optional extra, imported only when this task is built. The settings are checked in
+`loorl.tasks.reasoning_gym_settings`.
 """
 
 from __future__ import annotations
 
-import difflib
 import zlib
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -36,39 +34,26 @@ from loorl.tasks.base import Task
 from loorl.tasks.curriculum import Curriculum
 from loorl.tasks.data import format_prompt
 from loorl.tasks.mixed import quotas
+from loorl.tasks.reasoning_gym_settings import (
+    Source,
+    curriculum_settings,
+    import_reasoning_gym,
+    max_level,
+    parse_eval_levels,
+    parse_fixed_levels,
+    parse_source,
+)
 from loorl.types import Prompt
 
-INSTALL = 'pip install -e ".[reasoning-gym]"'
 SCORING = ("exact", "library")
-DATASET_KEYS = ("weight", "level", "config")
-CURRICULUM_KEYS = ("enabled", "window", "raise_above", "lower_below", "range_mode", "fixed_levels")
 MAX_REDRAWS = 1000  # draws of one training problem before its dataset is called exhausted
 SIZE = 2**31  # the virtual size of a dataset: indices are drawn below it
-
-
-def import_reasoning_gym():
-    """The `reasoning_gym` module, or a one-line error naming the install command."""
-    try:
-        import reasoning_gym
-    except ImportError as err:
-        raise ConfigError(f"task=reasoning_gym needs the reasoning-gym package: {INSTALL}") from err
-    return reasoning_gym
 
 
 def stable_seed(*parts: int | str) -> int:
     """A 31-bit seed from ints and strings, the same in every process (no Python `hash`)."""
     key = [zlib.crc32(p.encode()) if isinstance(p, str) else int(p) for p in parts]
     return int(np.random.default_rng(key).integers(2**31))
-
-
-@dataclass(frozen=True)
-class Source:
-    """One dataset of the mixture as configured."""
-
-    name: str
-    weight: float
-    level: int | None  # the curriculum's starting level; None: `config` alone sets the difficulty
-    config: dict
 
 
 class ReasoningGymTask(Task):
@@ -92,7 +77,6 @@ class ReasoningGymTask(Task):
     ) -> None:
         import_reasoning_gym()
         from reasoning_gym.coaching.base_curriculum import DefaultCurriculumContext, RangeAttributeMode
-        from reasoning_gym.factory import CURRICULA, DATASETS
         from reasoning_gym.utils import SYSTEM_PROMPTS
 
         if scoring not in SCORING:
@@ -108,26 +92,15 @@ class ReasoningGymTask(Task):
         self.name, self.eval_size, self.eval_seed = name, eval_size, eval_seed
         self.scoring, self.answer_tag, self.chat_template = scoring, answer_tag, chat_template
         self.system_prompt = SYSTEM_PROMPTS.get(system_prompt, system_prompt) if system_prompt else None
-        cur = {"enabled": False, "window": 64, "raise_above": 0.8, "lower_below": None,
-               "range_mode": "inclusive", "fixed_levels": None, **dict(curriculum or {})}  # fmt: skip
-        unknown = set(cur) - set(CURRICULUM_KEYS)
-        if unknown:
-            raise ConfigError(f"task.curriculum.{sorted(unknown)[0]} is not a curriculum setting")
-        modes = [m.value for m in RangeAttributeMode]
-        if cur["range_mode"] not in modes:
-            raise ConfigError(
-                f"task.curriculum.range_mode={cur['range_mode']!r} is not one of: {', '.join(modes)}"
-            )
+        cur = curriculum_settings(curriculum)
         self.context = DefaultCurriculumContext(mode=RangeAttributeMode(cur["range_mode"]))
-        self.sources = [
-            self._source(n, spec, DATASETS, CURRICULA) for n, spec in datasets.items() if spec is not None
-        ]
+        self.sources = [parse_source(n, spec) for n, spec in datasets.items() if spec is not None]
         if not self.sources:  # (a null entry leaves a dataset out: an experiment's way to drop the base's)
             raise ConfigError("task.datasets has no dataset left (every entry is null): name at least one")
         self.datasets: dict[tuple[str, int | None, str], object] = {}  # (name, level, split) -> dataset
         leveled = {s.name: s.level for s in self.sources if s.level is not None}
-        self.eval_levels = self._eval_levels(eval_levels, leveled)
-        self.fixed_levels = self._fixed_levels(cur["fixed_levels"], leveled, enabled=bool(cur["enabled"]))
+        self.eval_levels = parse_eval_levels(eval_levels, leveled)
+        self.fixed_levels = parse_fixed_levels(cur["fixed_levels"], leveled, enabled=bool(cur["enabled"]))
         for name, level in self.fixed_levels.items():  # reasoning-gym's refusal of the level, now
             self.dataset(self._by_name(name), level, "train")
         self.curriculum = None
@@ -137,12 +110,8 @@ class ReasoningGymTask(Task):
                     "task.curriculum.enabled=true moves levels, and no dataset of task.datasets has one: "
                     "give a dataset a starting level (task.datasets.<name>.level=0)"
                 )
-            self.curriculum = Curriculum(
-                levels=dict(leveled),
-                max_levels={n: self.max_level(n) for n in leveled},
-                window=int(cur["window"]),
-                raise_above=float(cur["raise_above"]),
-                lower_below=None if cur["lower_below"] is None else float(cur["lower_below"]),
+            self.curriculum = Curriculum.from_settings(
+                cur, levels=leveled, max_levels={n: max_level(n) for n in leveled}
             )
         self.tokenizer, self.max_prompt_length = None, None  # set by prepare()
         self.skipped_long = 0  # training draws left out: their prompt was over the length limit
@@ -158,113 +127,12 @@ class ReasoningGymTask(Task):
         self._shots = {s.name: self._shot_entries(s, shots) for s in self.sources}
 
     # ---- configuration ---------------------------------------------------------------------------
-    def _source(self, name: str, spec, DATASETS: dict, CURRICULA: dict) -> Source:
-        spec = dict(spec or {})
-        if name not in DATASETS:
-            close = difflib.get_close_matches(name, list(DATASETS), n=3)
-            hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            raise ConfigError(f"task.datasets.{name} is not a reasoning-gym dataset{hint}")
-        unknown = set(spec) - set(DATASET_KEYS)
-        if unknown:
-            raise ConfigError(f"task.datasets.{name}.{sorted(unknown)[0]} is not a dataset setting "
-                              f"({', '.join(DATASET_KEYS)})")  # fmt: skip
-        weight, level, config = (
-            float(spec.get("weight", 1.0)),
-            spec.get("level"),
-            dict(spec.get("config") or {}),
-        )
-        if not weight > 0:
-            raise ConfigError(f"task.datasets.{name}.weight={weight} must be positive")
-        config_cls = DATASETS[name][1]
-        fields = set(config_cls.__dataclass_fields__)
-        for key in config:
-            if key not in fields or key in ("seed", "size"):
-                raise ConfigError(
-                    f"task.datasets.{name}.config.{key} is not a setting of {config_cls.__name__} "
-                    f"(seed and size are loorl's): {', '.join(sorted(fields - {'seed', 'size'}))}"
-                )
-        if level is not None:
-            if name not in CURRICULA:
-                raise ConfigError(
-                    f"task.datasets.{name}.level={level}: {name} has no reasoning-gym curriculum: "
-                    "set level: null and its difficulty in config"
-                )
-            ruled = self._ruled_fields(CURRICULA[name]())
-            clash = sorted(set(config) & ruled)
-            if clash:
-                raise ConfigError(
-                    f"task.datasets.{name}.config.{clash[0]} is set by the curriculum level "
-                    f"(task.datasets.{name}.level); drop it, or set level: null to set it by hand"
-                )
-            level = int(level)
-        return Source(name, weight, level, config)
-
-    def _eval_levels(self, eval_levels, leveled: dict[str, int]) -> list[int]:
-        """`task.eval_levels` checked: distinct levels in order; [] for null."""
-        if eval_levels is None:
-            return []
-        if isinstance(eval_levels, str) or not isinstance(eval_levels, Sequence):
-            raise ConfigError(
-                f"task.eval_levels={eval_levels!r} is not a list of levels: give one such as [1, 2], or null"
-            )
-        bad = [v for v in eval_levels if isinstance(v, bool) or not isinstance(v, int) or v < 0]
-        if bad:
-            raise ConfigError(
-                f"task.eval_levels has {bad[0]!r}: levels are whole numbers from 0 (reasoning-gym's global "
-                "levels), such as [1, 2]"
-            )
-        if eval_levels and not leveled:
-            raise ConfigError(
-                "task.eval_levels adds held-out sets at other levels, and no dataset of task.datasets has "
-                "a level: give a dataset a starting level (task.datasets.<name>.level=0) or set it to null"
-            )
-        return sorted(set(eval_levels))
-
-    def _fixed_levels(self, fixed, leveled: dict[str, int], *, enabled: bool) -> dict[str, int]:
-        """`task.curriculum.fixed_levels` checked: dataset -> the level it trains at throughout."""
-        if not fixed:
-            return {}
-        key = "task.curriculum.fixed_levels"
-        if not isinstance(fixed, Mapping):
-            raise ConfigError(f"{key}={fixed!r} is not a mapping: give one such as {{chain_sum: 1}}, or null")
-        if enabled:
-            raise ConfigError(
-                f"{key} holds training levels fixed, and the curriculum moves them: set "
-                "task.curriculum.enabled=false, or fixed_levels: null"
-            )
-        out = {}
-        for name, level in fixed.items():
-            if name not in leveled:
-                raise ConfigError(
-                    f"{key}.{name}: not a dataset of task.datasets with a level (task.datasets.{name}.level)"
-                )
-            top = self.max_level(name)
-            if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= top:
-                raise ConfigError(f"{key}.{name}={level!r}: a level from 0 to {name}'s highest, {top}")
-            out[name] = level
-        return out
-
     def extra_levels(self, source: Source) -> list[int]:
         """The further levels `source` is held out at (`eval_levels`): those it has, but its starting one."""
         if source.level is None:
             return []
-        top = self.max_level(source.name)
+        top = max_level(source.name)
         return [lv for lv in self.eval_levels if lv <= top and lv != source.level]
-
-    @staticmethod
-    def _ruled_fields(curriculum) -> set[str]:
-        """The config fields a reasoning-gym curriculum sets from its level."""
-        out = set()
-        for attr in curriculum.attributes.values():
-            names = (getattr(attr, "lower_field_name", None), getattr(attr, "upper_field_name", None),
-                     getattr(attr, "field_name", None))  # fmt: skip
-            out |= {n for n in names if n}
-        return out
-
-    def max_level(self, name: str) -> int:
-        from reasoning_gym.factory import create_curriculum
-
-        return max(len(a.levels) for a in create_curriculum(name).attributes.values()) - 1
 
     def config_at(self, source: Source, level: int | None, *, seed: int) -> object:
         """The dataset's config object at `level` (reasoning-gym's curriculum over the user's config)."""
@@ -484,9 +352,7 @@ class ReasoningGymTask(Task):
         ]  # fewer than eval_size: the dataset has no more distinct ones
         facts = {"reasoning-gym": ", ".join(parts) + f"; scoring={self.scoring}"}
         if self.curriculum is not None:
-            c = self.curriculum
-            lower = "never lowered" if c.lower_below is None else f"lowered under {c.lower_below:g}"
-            facts["curriculum"] = f"raise at >= {c.raise_above:g} over {c.window} samples, {lower}"
+            facts["curriculum"] = self.curriculum.describe()
         return facts
 
     def sft_examples(self, n: int, *, rng: np.random.Generator) -> list[tuple[str, str]]:
