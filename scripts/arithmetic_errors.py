@@ -28,7 +28,10 @@ import collections
 import csv
 import math
 import re
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
+
+from loorl.tasks.verifiers import extract_final_number
 
 KINDS = (
     "carry dropped",
@@ -58,8 +61,13 @@ def error_kind(a: int, b: int, answer: int | None) -> str | None:
 
 
 def last_number(text: str) -> int | None:
-    numbers = re.findall(r"\d+", text)
-    return int(numbers[-1]) if numbers else None
+    """The last number of an answer as the task's flexible mode reads it (None: none, or not whole)."""
+    value = extract_final_number(text, mode="flexible")
+    try:
+        number = Decimal(value) if value is not None else None
+    except InvalidOperation:
+        return None
+    return int(number) if number is not None and number == number.to_integral_value() else None
 
 
 def step_means(run: Path, keys: tuple[str, ...]) -> dict[str, list[tuple[int, float]]]:
