@@ -123,6 +123,12 @@ def test_the_command_lines_overrides_reach_every_setting_and_its_runs_folder():
         ({"p": {"settings": {"a": []}, "kind": "probe"}}, "every is required"),
         ({"p": {"settings": {"a": []}, "seeds": 0}}, "seeds=0: at least 1"),
         (
+            {"p": {"settings": {"a": []}, "pairing": "levels"}},
+            r"pairing='levels': choose prompts .* or seeds",
+        ),
+        ({"p": {"settings": {"a": []}, "metrics": ["best"]}}, "metrics has 'best': each is final or auc"),
+        ({"p": {"settings": {"a": []}, "metrics": ["final/"]}}, "metrics has 'final/'"),
+        (
             {"p": {"settings": {"a": []}, "kind": "probe", "probe": {"every": 1, "args": ["--samples", 1]}}},
             r"probe.args: --samples must be at least 2",
         ),
@@ -251,6 +257,59 @@ def test_the_pairing_check_on_histories():
         check_pairing({"a": {0: history(1, 2), 1: history(1, 2)}}, {"a": 8})
     with pytest.raises(ValueError, match="no rollout/prompt_digest"):
         check_pairing({"a": {0: {}}}, {"a": 8})
+
+
+def test_pairing_by_seed_lets_settings_draw_other_prompts_but_not_seeds_the_same():
+    def history(*digests):
+        return {"rollout/prompt_digest": [[i, d] for i, d in enumerate(digests)]}
+
+    runs = {"level0": {0: history(1, 2), 1: history(5, 6)}, "level1": {0: history(3, 4), 1: history(7, 8)}}
+    with pytest.raises(ValueError, match="not paired"):  # paired by prompts, as every study before it
+        check_pairing(runs, {"level0": 8, "level1": 8})
+    assert "paired by seed" in check_pairing(runs, {"level0": 8, "level1": 8}, pairing="seeds")[0]
+    runs["level1"][1] = history(3, 9)  # seed 1 drew seed 0's first prompts: the seed did not reach it
+    with pytest.raises(ValueError, match="'level1': seeds 0 and 1 drew the same prompts"):
+        check_pairing(runs, {"level0": 8, "level1": 8}, pairing="seeds")
+
+
+def test_the_level_table_and_the_per_level_comparison_by_hand(tmp_path, monkeypatch):
+    from loorl.research.ablation import Job
+    from loorl.research.study_report import comparison_table, level_table, metric_title
+
+    name = write_study(tmp_path, monkeypatch, {"p": {
+        "settings": {"cur": [], "fixed": []}, "seeds": 2, "pairing": "seeds", "reference": "fixed",
+        "metrics": ["final", "final/chain_sum@L1"]}, "q": {"settings": {"a": []}}})  # fmt: skip
+    part, plain = load_study(name).parts
+    assert (part.pairing, part.metrics) == ("seeds", ["final", "final/chain_sum@L1"])
+    assert (plain.pairing, plain.metrics) == ("prompts", ["final", "auc"])  # the defaults
+
+    def job(levels):  # levels logged at steps 0, 1, ... (shuffled: the table sorts by step)
+        history = {"curriculum/level/chain_sum": [(i, v) for i, v in enumerate(levels)][::-1]}
+        return Job(tmp_path, [], 0, {}, history, {})
+
+    jobs = {"cur": {0: job([0, 0, 1, 1, 2]), 1: job([0, 1, 1, 1, 1])}, "fixed": {0: job([1, 1]), 1: job([0])}}
+    rows = [
+        line for line in level_table(part, jobs) if line.startswith("| cur") or line.startswith("| fixed")
+    ]
+    assert rows == [
+        "| cur | 0 | chain_sum | L0 | L2 | L1 at step 2, L2 at step 4 |",
+        "| cur | 1 | chain_sum | L0 | L1 | L1 at step 1 |",
+        "| fixed | 0 | chain_sum | L1 | L1 | never moved |",
+        "| fixed | 1 | chain_sum | L0 | L0 | never moved |",
+    ]
+    assert level_table(part, {"cur": {0: Job(tmp_path, [], 0, {}, {}, {})}, "fixed": {}}) == []
+
+    # cur - fixed per seed: final [0.5, 0.7] - [0.4, 0.4] = [0.1, 0.3]; at L1 [0.2, 0.2] - [0.1, 0.3]
+    data = {"cur": {"final": [0.5, 0.7], "final/chain_sum@L1": [0.2, 0.2]},
+            "fixed": {"final": [0.4, 0.4], "final/chain_sum@L1": [0.1, 0.3]}}  # fmt: skip
+    lines, records = comparison_table(part, data)
+    assert [(r["metric"], round(r["mean"], 6)) for r in records] == [
+        ("final acc.", 0.2),
+        ("final chain_sum@L1", 0.0),
+    ]
+    assert "| cur - fixed | final chain_sum@L1 | +0.0 |" in "\n".join(lines)
+    assert "its RL seed; the problems differ by design" in lines[-1]
+    assert metric_title("auc/spell_backward@L2") == "AUC spell_backward@L2"
 
 
 # ---- a real study, resumed -------------------------------------------------------------------------------

@@ -41,7 +41,10 @@ PART_KEYS = {
     "compare",
     "probe",
     "lengths",
+    "pairing",
+    "metrics",
 }
+PAIRINGS = ("prompts", "seeds")  # a part's pairing: the same prompts at every step, or the same seeds only
 PROBE_KEYS = {"seed", "every", "args", "beside"}
 
 
@@ -76,6 +79,8 @@ class Part:
     probe: dict = field(default_factory=dict)
     lengths: bool = False  # also the length of correct and wrong answers along training
     plan: list[str] = field(default_factory=list)  # how the settings' configs differ (check_part)
+    pairing: str = "prompts"  # PAIRINGS: what run i of every setting shares (check_pairing)
+    metrics: list[str] = field(default_factory=lambda: ["final", "auc"])  # compared: final|auc[/<dataset>]
 
 
 @dataclass
@@ -142,13 +147,27 @@ def _part(study: str, name: str, spec: dict, max_seeds: int | None, extra: list[
         for label in (a, b):
             if label not in labels:
                 raise ConfigError(f"{where}: compares {label!r}, which is not one of its settings: {labels}")
+    pairing = spec.get("pairing", "prompts")
+    if pairing not in PAIRINGS:
+        raise ConfigError(
+            f"{where}.pairing={pairing!r}: choose prompts (every setting draws the same prompts) or seeds "
+            "(the same RL seed and starting policy; the prompts may differ, as across training levels)"
+        )
+    metrics = [str(m) for m in spec.get("metrics") or ["final", "auc"]]
+    for metric in metrics:
+        if metric.split("/", 1)[0] not in ("final", "auc") or metric.endswith("/"):
+            raise ConfigError(
+                f"{where}.metrics has {metric!r}: each is final or auc, for all datasets, or "
+                "final/<dataset>, auc/<dataset> (a val/accuracy/<dataset> key, such as final/chain_sum@L1)"
+            )
     probe_spec = dict(spec.get("probe") or {})
     if kind == "probe":
         unknown = sorted(set(probe_spec) - PROBE_KEYS)
         if unknown or "every" not in probe_spec:
             raise ConfigError(f"{where}.probe: keys {', '.join(sorted(PROBE_KEYS))} (every is required)")
     part = Part(name, spec.get("title", name), kind, seeds, settings, list(spec.get("may_differ") or []),
-                comparisons, probe_spec, bool(spec.get("lengths", False)))  # fmt: skip
+                comparisons, probe_spec, bool(spec.get("lengths", False)), pairing=pairing,
+                metrics=metrics)  # fmt: skip
     if kind == "probe":
         try:
             probe_options(part, None).check()
@@ -370,11 +389,16 @@ def digests(history: dict) -> dict[int, float]:
     return {int(step): value for step, value in history.get("rollout/prompt_digest", [])}
 
 
-def check_pairing(runs: dict[str, dict[int, dict]], prompts_per_step: dict[str, int]) -> list[str]:
+def check_pairing(
+    runs: dict[str, dict[int, dict]], prompts_per_step: dict[str, int], *, pairing: str = "prompts"
+) -> list[str]:
     """From the runs' own `rollout/prompt_digest` histories (`runs`: label -> seed -> history): settings
     that draw the same number of prompts per step must have drawn the same prompts at every step for
-    each seed, and two seeds must differ. Returns the finding per group as lines; raises ValueError on
-    a broken pairing."""
+    each seed, and two seeds must differ. With `pairing="seeds"` (settings that train on other problems
+    by design, such as other levels) only the seeds must differ. Returns the finding per group as
+    lines; raises ValueError on a broken pairing."""
+    if pairing == "seeds":
+        return [seeds_differ(runs)]
     lines = []
     groups: dict[int, list[str]] = {}
     for label, b in prompts_per_step.items():
@@ -407,3 +431,22 @@ def check_pairing(runs: dict[str, dict[int, dict]], prompts_per_step: dict[str, 
             "the same prompts in the same order at every step (rollout/prompt_digest); the seeds differ."
         )
     return lines
+
+
+def seeds_differ(runs: dict[str, dict[int, dict]]) -> str:
+    """The finding of a part paired by seed only: within every setting, two seeds drew other prompts at
+    their first step (the seed reached the sampler). Raises ValueError where they did not."""
+    for label, by_seed in runs.items():
+        seeds = sorted(by_seed)
+        if len(seeds) < 2:
+            continue
+        first = [digests(by_seed[s]) for s in seeds[:2]]
+        if not all(first):
+            raise ValueError(f"{label!r}: no rollout/prompt_digest logged (a run from before it?)")
+        if first[0][min(first[0])] == first[1][min(first[1])]:
+            raise ValueError(f"{label!r}: seeds {seeds[0]} and {seeds[1]} drew the same prompts")
+    return (
+        "paired by seed: run i of every setting has RL seed i and the same starting policy; the settings "
+        "train on other problems by design (pairing: seeds), and within each setting the seeds drew other "
+        "prompts (rollout/prompt_digest)."
+    )

@@ -102,20 +102,31 @@ def summary_table(part: Part, jobs: dict[str, dict[int, Job]]) -> tuple[list[str
     return lines, data
 
 
+def metric_title(metric: str) -> str:
+    """A compared metric's name in the tables: final, auc, final/<dataset> or auc/<dataset>."""
+    kind, _, name = metric.partition("/")
+    if not name:
+        return {"final": "final acc.", "auc": "acc. AUC"}[kind]
+    return f"{'final' if kind == 'final' else 'AUC'} {name}"
+
+
 def comparison_table(
     part: Part,
     data: dict,
-    metrics=(("final", "final acc."), ("auc", "acc. AUC")),
+    metrics=None,
     *,
     scale=100.0,
     unit="points",
 ):
-    """The part's paired comparisons, a - b per seed, for each metric; Holm-adjusted over the table.
-    Values are shown times `scale` (accuracy fractions in points), in `unit`."""
+    """The part's paired comparisons, a - b per seed, for each metric ((key, title) pairs; default: the
+    part's `metrics`); Holm-adjusted over the table. Values are shown times `scale` (accuracy fractions
+    in points), in `unit`."""
+    if metrics is None:
+        metrics = [(m, metric_title(m)) for m in part.metrics]
     rows = []
     for a, b in part.comparisons:
         for key, title in metrics:
-            if not data.get(a) or not data.get(b):
+            if not data.get(a) or not data.get(b) or key not in data[a] or key not in data[b]:
                 continue
             difference = paired_difference(data[a][key], data[b][key])
             if difference.n:  # a setting without runs yet has no row
@@ -135,11 +146,46 @@ def comparison_table(
         records.append({"a": a, "b": b, "metric": title, **d.as_dict(), "p_holm": p_holm})
     lines += [
         "",
-        "Paired over seeds (run i of both settings shares seed i: its warm start and its prompts, in the "
-        "same order): the mean per-seed difference, its 95% Student-t interval and the two-sided paired "
+        "Paired over seeds (run i of both settings shares seed i: its warm start and "
+        + (
+            "its prompts, in the same order"
+            if part.pairing == "prompts"
+            else "its RL seed; the problems differ by design"
+        )
+        + "): the mean per-seed difference, its 95% Student-t interval and the two-sided paired "
         "t-test's p; Holm's adjustment across every row of this table.",
     ]
     return lines, records
+
+
+def level_table(part: Part, jobs: dict[str, dict[int, Job]]) -> list[str]:
+    """The training level of each dataset with a logged one (`curriculum/level/<name>`), per setting and
+    seed: its last value and the steps it first reached each higher level. Empty without levels."""
+    lines = []
+    for setting in part.settings:
+        for seed, job in sorted(jobs[setting.label].items()):
+            for key in sorted(k for k in job.history if k.startswith("curriculum/level/")):
+                steps, levels = job.series(key)
+                order = np.argsort(steps)
+                steps, levels = steps[order], levels[order].astype(int)
+                reached = [f"L{lv} at step {int(steps[np.argmax(levels >= lv)])}"
+                           for lv in range(int(levels[0]) + 1, int(levels.max()) + 1)]  # fmt: skip
+                lines.append(
+                    f"| {setting.label} | {seed} | {key.split('/', 2)[2]} | L{levels[0]} | L{levels[-1]} "
+                    f"| {', '.join(reached) or 'never moved'} |"
+                )
+    if not lines:
+        return []
+    head = ["| setting | seed | dataset | first level | last level | levels reached |", "|" + " --- |" * 6]
+    return (
+        head
+        + lines
+        + [
+            "",
+            "The level each dataset trained at (`curriculum/level/<dataset>`, logged every RL step): at the "
+            "first and the last step, and the step each higher level was first reached.",
+        ]
+    )
 
 
 # ---- curves -----------------------------------------------------------------------------------------
@@ -424,6 +470,8 @@ def write_study_report(
         learning[part.name] = data
         clip = {label: info[2] for label, info in per_step[part.name].items()}
         text += [*grad_norm_table(part, jobs, clip), ""]
+        if levels := level_table(part, jobs):
+            text += [*levels, ""]
         if part.lengths:
             lengths = length_data(part, jobs)
             text += ["", *length_table(part, lengths), "", f"![lengths]({images}/{part.name}_length.png)", ""]
@@ -440,7 +488,7 @@ def write_study_report(
         try:
             histories = {label: {s: j.history for s, j in v.items()} for label, v in jobs.items()}
             b = {label: b_and_n[0] for label, b_and_n in per_step[part.name].items()}
-            pairing = check_pairing(histories, b)
+            pairing = check_pairing(histories, b, pairing=part.pairing)
             text += ["Seeds paired: " + " ".join(pairing)]
         except ValueError as error:
             text += [f"**Seeds NOT paired:** {error}"]
