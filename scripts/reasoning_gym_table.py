@@ -1,6 +1,7 @@
 """The markdown table of reasoning-gym runs (`task=reasoning_gym`): per run and dataset, held-out
 greedy accuracy at the first and last validation, the curriculum level at the end (the mean row: the
-mean level), the run's wall time, its peak memory and its training steps' (the largest of their phases'
+mean level; `task.eval_levels`' held-out sets, `<name>@L<level>`, are columns of their own, outside
+"all"), the run's wall time, its peak memory and its training steps' (the largest of their phases'
 peaks: where the run's is higher, validation, start-up or the export set it); then the mean over runs.
 
     python scripts/reasoning_gym_table.py outputs/rg_seed0 outputs/rg_seed1 outputs/rg_seed2
@@ -51,7 +52,8 @@ def load_run(run: Path) -> dict:
 
 def markdown(runs: dict[str, dict]) -> str:
     names = list(next(iter(runs.values()))["datasets"])
-    head = ["run"] + [f"{n} first -> last (level)" for n in names]
+    # a further level's held-out set (task.eval_levels: <name>@L<level>) trains nothing: it has no level
+    head = ["run"] + [f"{n} first -> last" + ("" if "@L" in n else " (level)") for n in names]
     head += ["all first -> last", "wall", "peak", "training steps' peak"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
 

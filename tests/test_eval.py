@@ -150,3 +150,25 @@ def test_eval_cli_prints_the_table_and_one_line_errors(trained, model_cache, tmp
                          capture_output=True, text=True, timeout=300)  # fmt: skip
     assert bad.returncode == 2
     assert bad.stdout.strip().splitlines()[-1].startswith("error: eval.k=3 is more than eval.samples=2")
+
+
+def test_the_results_table_shows_each_held_out_set_and_keeps_further_levels_out_of_pass_at_1():
+    """task.eval_levels' held-out sets (`<name>@L<level>`) are outside pass@1 (val/accuracy covers the
+    starting level only): the table counts them apart and gives every set its own row."""
+    from loorl.cli.evaluate import markdown
+
+    results = {
+        "policy": "/runs/a/policy", "model": "smollm2", "task": "reasoning_gym", "seconds": 1.0,
+        "num_prompts": 50, "extra_prompts": 100,
+        "per_source": {"chain_sum": 0.56, "chain_sum@L1": 0.16, "chain_sum@L2": 0.04},
+        "eval": {"split": "eval", "samples": 0, "k": 4, "seed": 0},
+        "metrics": {"pass@1_greedy": 0.56, "reward": 0.56, "unscorable": 0.0},
+    }  # fmt: skip
+    text = markdown(results)
+    assert (
+        "| task (split, prompts) | reasoning_gym (eval, 50; 100 more at task.eval_levels, outside pass@1"
+        in text
+    )
+    assert "| greedy pass@1 | 56.0% |" in text and "| greedy pass@1, chain_sum@L1 | 16.0% |" in text
+    plain = markdown(results | {"extra_prompts": 0, "per_source": {}})  # a task of one source, as before
+    assert "| task (split, prompts) | reasoning_gym (eval, 50) |" in plain and "pass@1, " not in plain

@@ -264,6 +264,11 @@ def test_the_answers_table_counts_each_answer_given_and_the_best_constant(tmp_pa
         for i, p in enumerate(held):
             given = p.answer if i < 2 else "x"
             w.writerow([20, p.text, f"<answer>{given}</answer>", float(i < 2), i < 2])
+    run = {"datasets": {"chain_sum": {"first": 0.1, "last": 0.5, "level": 1.0},  # a further level's set:
+                        "chain_sum@L1": {"first": 0.0, "last": 0.2, "level": float("nan")}},  # no level
+           "first": 0.1, "last": 0.5, "wall": 60.0, "peak": 1.0, "train_peak": 1.0}  # fmt: skip
+    head = table.markdown({"s0": run}).splitlines()[0]
+    assert "| chain_sum first -> last (level) | chain_sum@L1 first -> last | all first -> last |" in head
     text = table.heldout_answers(tmp_path, "chain_sum")
     ones = sum(p.answer == "1" for p in held)
     assert f"| 0 | {100 * ones / 4:.0f}% | '1' 4: {ones} |" in text

@@ -45,3 +45,23 @@ def test_a_metric_is_recorded_only_at_the_steps_that_logged_it(tmp_path):
     assert steps["rollout/always"] == [0, 1, 2, 3]
     assert summary.history["rollout/even"] == [(0, 0.0), (2, 2.0)]  # not (1, 0.0), (3, 2.0) again
     assert len(steps["val/accuracy"]) == 4 and len(steps["val/even"]) == 2
+
+
+def test_a_held_out_only_set_gets_its_accuracy_alone_in_the_summary(tmp_path):
+    """task.eval_levels' sets (`<name>@L<level>`) are validated but never drawn for a rollout: their row
+    shows the held-out accuracy alone, not a reward of n/a (and a dataset's row is unchanged)."""
+    from types import SimpleNamespace
+
+    summary = RunSummary(str(tmp_path))
+    summary.history = {
+        "val/accuracy": [(0, 0.1), (2, 0.5)],
+        "val/accuracy/chain_sum": [(0, 0.1), (2, 0.5)],
+        "val/accuracy/chain_sum@L1": [(0, 0.02), (2, 0.16)],
+        "rollout/reward": [(0, 0.25), (1, 0.5)],
+        "rollout/reward/chain_sum": [(0, 0.25), (1, 0.5)],
+        "curriculum/level/chain_sum": [(0, 0.0), (1, 1.0)],
+    }
+    text = summary.markdown(summary.summary(SimpleNamespace(current_epoch=2, global_step=2)))
+    assert "| chain_sum@L1: held-out accuracy (held out only) | 2.0% -> 16.0% |" in text
+    row = "| chain_sum: held-out accuracy; reward (first -> last steps); level | 10.0% -> 50.0%; 0.250"
+    assert row in text

@@ -83,10 +83,13 @@ def markdown(results: dict) -> str:
     def pct(x):
         return "n/a" if x is None or math.isnan(x) else f"{100 * x:.1f}%"
 
+    more = results.get("extra_prompts", 0)
+    extra = f"; {more} more at task.eval_levels, outside pass@1: their own rows" if more else ""
     rows = [
         ("policy", f"`{results['policy']}`"),
-        ("task (split, prompts)", f"{results['task']} ({e['split']}, {results['num_prompts']})"),
+        ("task (split, prompts)", f"{results['task']} ({e['split']}, {results['num_prompts']}{extra})"),
         ("greedy pass@1", pct(m["pass@1_greedy"])),
+        *((f"greedy pass@1, {name}", pct(value)) for name, value in results.get("per_source", {}).items()),
         ("mean reward (greedy)", "n/a" if math.isnan(m["reward"]) else f"{m['reward']:.3f}"),
         ("unscorable greedy samples (left out of pass@1)", f"{m.get('unscorable', 0):.0f}"),
     ]
@@ -179,11 +182,18 @@ def own_evaluation(cfg: DictConfig, s, e, kind: str, policy: Path, output_dir: P
     if e.samples:
         metrics[f"pass@{e.k}"] = logged["val/pass_at_k"]
         metrics[f"maj@{e.k}"] = logged["val/maj_at_k"]
+    overall = [p.meta.get("in_overall", True) for p in datamodule.eval_prompts]
     results = {
         "policy": str(policy),
         "model": model_label(s.model) if kind == "checkpoint" else str(policy),
         "task": s.task["name"],
-        "num_prompts": len(datamodule.eval_prompts),
+        "num_prompts": sum(overall),  # those pass@1 covers
+        "extra_prompts": len(overall) - sum(overall),  # task.eval_levels' sets: only in per_source
+        "per_source": {  # greedy accuracy per dataset of a mixed task (reasoning-gym: <name>@L<level> too)
+            k.removeprefix("val/accuracy/"): float(v)
+            for k, v in logged.items()
+            if k.startswith("val/accuracy/")
+        },
         "eval": {"split": e.split, "samples": e.samples, "k": e.k, "seed": s.run.seed},
         "metrics": {k: float(v) for k, v in metrics.items()},
         "seconds": time.perf_counter() - started,
