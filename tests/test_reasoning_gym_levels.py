@@ -220,3 +220,26 @@ def test_the_overall_val_metrics_leave_the_further_levels_out():
     assert float(logged["val/accuracy/chain_sum"].compute()) == 0.5
     assert float(logged["val/accuracy/chain_sum@L1"].compute()) == 0.25  # 1 of its 4
     assert int(module.val_metrics["accuracy"].weight) == 4
+
+
+def test_the_curriculum_and_the_held_out_levels_are_part_of_the_runs_identity():
+    """A resume with another curriculum rule, other fixed levels or other task.eval_levels is warned of
+    (`run_identity`'s "run" part); unset, each entry is None, as in checkpoints written before them."""
+    from loorl.config import compose_config, load_settings
+    from loorl.training.checkpoints import run_identity
+
+    def identity(*overrides):
+        settings = load_settings(compose_config("experiment=tiny_reasoning_gym", *overrides))
+        run = run_identity(settings, model="m", strategy="auto")["run"]
+        return {k: v for k, v in run.items() if k.startswith("task.")}
+
+    plain = identity("task.curriculum.enabled=false")
+    assert plain == {"task.curriculum": None, "task.curriculum.fixed_levels": None, "task.eval_levels": None}
+    on = identity()
+    assert (
+        '"raise_above": 0.8' in on["task.curriculum"]
+        and on["task.curriculum"] != identity("task.curriculum.raise_above=0.7")["task.curriculum"]
+    )
+    fixed = identity("task.curriculum.enabled=false", "task.curriculum.fixed_levels={chain_sum: 1}")
+    assert fixed["task.curriculum"] is None and fixed["task.curriculum.fixed_levels"] == '{"chain_sum": 1}'
+    assert identity("task.eval_levels=[1,2]")["task.eval_levels"] == [1, 2]

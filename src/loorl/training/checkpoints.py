@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import json
 import logging
 import os
 import shutil
@@ -148,10 +149,24 @@ def run_identity(s, *, model: str, strategy: str) -> dict:
             "kl.coef": s.kl.coef,
             "loss.agg": s.loss.agg,
             "task": s.task.get("name"),
+            **task_identity(s.task),
             "model.lora.alpha": None if s.model.lora is None else s.model.lora.lora_alpha,
             "tools": tools_identity(s.tools),
             "environment": environment_identity(s.environment),
         },
+    }
+
+
+def task_identity(task: dict) -> dict:
+    """What else than its name sets the problems a run trains and validates on: the curriculum's rule
+    and fixed levels, and `task.eval_levels`. Each entry is None where unset, as in checkpoints written
+    before it existed, so that resuming those warns of nothing new."""
+    cur = dict(task.get("curriculum") or {})
+    fixed = cur.pop("fixed_levels", None)
+    return {
+        "task.curriculum": json.dumps(cur, sort_keys=True) if cur.get("enabled") else None,
+        "task.curriculum.fixed_levels": json.dumps(dict(fixed), sort_keys=True) if fixed else None,
+        "task.eval_levels": list(task["eval_levels"]) if task.get("eval_levels") else None,
     }
 
 
