@@ -266,7 +266,10 @@ def test_pairing_by_seed_lets_settings_draw_other_prompts_but_not_seeds_the_same
     runs = {"level0": {0: history(1, 2), 1: history(5, 6)}, "level1": {0: history(3, 4), 1: history(7, 8)}}
     with pytest.raises(ValueError, match="not paired"):  # paired by prompts, as every study before it
         check_pairing(runs, {"level0": 8, "level1": 8})
-    assert "paired by seed" in check_pairing(runs, {"level0": 8, "level1": 8}, pairing="seeds")[0]
+    assert (
+        "the settings train on other problems by design"
+        in check_pairing(runs, {"level0": 8, "level1": 8}, pairing="seeds")[0]
+    )
     runs["level1"][1] = history(3, 9)  # seed 1 drew seed 0's first prompts: the seed did not reach it
     with pytest.raises(ValueError, match="'level1': seeds 0 and 1 drew the same prompts"):
         check_pairing(runs, {"level0": 8, "level1": 8}, pairing="seeds")
@@ -308,7 +311,7 @@ def test_the_level_table_and_the_per_level_comparison_by_hand(tmp_path, monkeypa
         ("final chain_sum@L1", 0.0),
     ]
     assert "| cur - fixed | final chain_sum@L1 | +0.0 |" in "\n".join(lines)
-    assert "its RL seed; the problems differ by design" in lines[-1]
+    assert "its starting policy and its RL seed; the problems differ by design" in lines[-1]
     assert metric_title("auc/spell_backward@L2") == "AUC spell_backward@L2"
 
 

@@ -446,7 +446,7 @@ def seeds_differ(runs: dict[str, dict[int, dict]]) -> str:
         if first[0][min(first[0])] == first[1][min(first[1])]:
             raise ValueError(f"{label!r}: seeds {seeds[0]} and {seeds[1]} drew the same prompts")
     return (
-        "paired by seed: run i of every setting has RL seed i and the same starting policy; the settings "
-        "train on other problems by design (pairing: seeds), and within each setting the seeds drew other "
-        "prompts (rollout/prompt_digest)."
+        "run i of every setting has RL seed i and the same starting policy; the settings train on other "
+        "problems by design (pairing: seeds), and within each setting the seeds drew other prompts "
+        "(rollout/prompt_digest)."
     )

@@ -146,11 +146,11 @@ def comparison_table(
         records.append({"a": a, "b": b, "metric": title, **d.as_dict(), "p_holm": p_holm})
     lines += [
         "",
-        "Paired over seeds (run i of both settings shares seed i: its warm start and "
+        "Paired over seeds (run i of both settings shares seed i: "
         + (
-            "its prompts, in the same order"
+            "its warm start and its prompts, in the same order"
             if part.pairing == "prompts"
-            else "its RL seed; the problems differ by design"
+            else "its starting policy and its RL seed; the problems differ by design"
         )
         + "): the mean per-seed difference, its 95% Student-t interval and the two-sided paired "
         "t-test's p; Holm's adjustment across every row of this table.",
