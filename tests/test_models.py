@@ -20,6 +20,23 @@ def test_char_tokenizer_round_trip(tmp_path):
     assert again.padding_side == "left" and again.decode([again.eos_token_id], skip_special_tokens=True) == ""
 
 
+def test_the_tiny_models_folder_loads_its_own_tokenizer_spaces_included(tmp_path):
+    """Beside the tiny model's config.json (a Qwen2 model), transformers 5.19's AutoTokenizer built a
+    Qwen2Tokenizer from the character vocabulary, whose pre-tokenizer dropped every space: a prompt
+    the warm start saw as "Spell this word" reached RL as "Spellthisword". The folder's own tokenizer
+    is loaded instead, the same ids as the one the warm start used."""
+    from transformers import Qwen2Config
+
+    tok = build_char_tokenizer()
+    tok.save_pretrained(tmp_path)
+    Qwen2Config(vocab_size=len(tok), hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                intermediate_size=8).save_pretrained(tmp_path)  # fmt: skip
+    text = "Spell this word backward (example: sun -> nus): cad"
+    loaded = load_tokenizer(str(tmp_path))
+    assert loaded(text, add_special_tokens=False).input_ids == tok(text, add_special_tokens=False).input_ids
+    assert loaded.decode(loaded(text, add_special_tokens=False).input_ids) == text
+
+
 def test_tiny_build_is_determined_by_its_config(quick_config, tmp_path):
     def at(cache, *overrides):
         return quick_config(f"model.cache_dir={cache}", *overrides)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from loorl.errors import ConfigError
@@ -16,10 +19,30 @@ def torch_dtype(name: str) -> torch.dtype:
     return TORCH_DTYPES[name]
 
 
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")  # tokenizer.json as it is
 
-    tok = AutoTokenizer.from_pretrained(path)
+
+def declared_tokenizer_class(path: str) -> str | None:
+    """The `tokenizer_class` a local folder's tokenizer_config.json declares (None: none, or not local)."""
+    config = Path(path) / "tokenizer_config.json"
+    if not config.is_file():
+        return None
+    return json.loads(config.read_text()).get("tokenizer_class")
+
+
+def load_tokenizer(path: str):
+    """The tokenizer at `path`, padding on the left.
+
+    A folder that declares the generic fast tokenizer (tokenizer.json with its own pre-tokenizer, as
+    the tiny model's character-level one) is loaded as exactly that: transformers 5.19's AutoTokenizer
+    picks the class of the model's type instead (Qwen2Tokenizer for the tiny Qwen2 model), whose
+    pre-tokenizer dropped every space of the tiny model's prompts."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if declared_tokenizer_class(path) in GENERIC_TOKENIZER_CLASSES:
+        tok = PreTrainedTokenizerFast.from_pretrained(path)
+    else:
+        tok = AutoTokenizer.from_pretrained(path)
     tok.padding_side = "left"
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
