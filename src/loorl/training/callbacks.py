@@ -245,13 +245,13 @@ class RunSummary(L.Callback):
         for source in sources:
             acc = self.series(f"val/accuracy/{source}")
             reward = self.series(f"rollout/reward/{source}")
-            if not reward:  # a held-out set no rollout draws from (task.eval_levels' <name>@L<level>)
+            levels = self.series(f"curriculum/level/{source}")  # task.curriculum: first and last levels
+            if not reward and not levels:  # a held-out set no rollout draws from (task.eval_levels')
                 rows.append(
                     (f"{source}: held-out accuracy (held out only)", f"{pct(acc[0])} -> {pct(acc[-1])}")
                 )
                 continue
             window = max(1, min(10, len(reward) // 5))
-            levels = self.series(f"curriculum/level/{source}")  # task.curriculum: first and last levels
             label = f"{source}: held-out accuracy; reward (first -> last steps)" + (
                 "; level" if levels else ""
             )

@@ -41,7 +41,11 @@ from loorl.types import Completion, SamplingConfig
 
 log = logging.getLogger(__name__)
 
-PROBE_TEXT = "12 + 34 = 46"  # tokenized here and by each server: the same ids, or another tokenizer
+# Tokenized here and by each server: the same ids, or another model's tokenizer. No whitespace: vLLM
+# loads the tiny model's character tokenizer through transformers' AutoTokenizer, which (5.19) makes it
+# a Qwen2Tokenizer that drops spaces (loorl's own loading keeps them: models.load.load_tokenizer).
+# Prompts and completions travel as token ids, so only a stop string's detokenized match could differ.
+PROBE_TEXT = "12+34=46"
 
 
 @dataclass(frozen=True, config=SCHEMA)
