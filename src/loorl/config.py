@@ -32,8 +32,8 @@ from loorl.settings import (
     ToolsSettings,
     completion_budget,
 )
+from loorl.util.paths import CONF_DIR
 
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 resolvers.register()  # before any config under conf/ is composed or resolved
 
 
@@ -307,7 +307,7 @@ def check_rewards(cfg: DictConfig) -> None:
     """Every reward function must be importable and every reward-model path set and present."""
     import importlib
 
-    from loorl.models.sources import looks_like_local_path
+    from loorl.models.hub import looks_like_local_path
 
     functions = cfg.reward.functions
     if not functions:

@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from loorl.build import build_run, build_task, identity
 from loorl.cli.console import ProgressLines, run_cli
 from loorl.config import check_config
+from loorl.models.random_weights import export_folder_name, random_weights_facts
 from loorl.models.sources import model_label
 from loorl.parallel.distributed import shutdown
 from loorl.parallel.launch import configure_threads
@@ -118,8 +119,9 @@ def train_job(cfg: DictConfig) -> dict[str, float]:
 
     task = build_task(s)
     facts = task.run_facts()  # e.g. the sandbox isolation of a code task: said once, and in summary.md
+    facts |= random_weights_facts(s.model)  # a random-weights run can never pass for a trained one
     for name, line in facts.items():
-        log.info("%s: %s", name, line)
+        (log.warning if name == "weights" else log.info)("%s: %s", name, line)
     parts = build_run(s, task=task)
     datamodule, module, tokenizer = parts.datamodule, parts.module, parts.tokenizer
     checkpoints = output_dir / "checkpoints"
@@ -153,7 +155,7 @@ def train_job(cfg: DictConfig) -> dict[str, float]:
             )
         )
     if s.run.export_policy:
-        callbacks.append(HFExport(str(output_dir / "policy"), tokenizer))
+        callbacks.append(HFExport(str(output_dir / export_folder_name(s.model)), tokenizer))
     if keeps and s.run.trim_freed_memory_every:
         callbacks.append(TrimFreedMemory(s.run.trim_freed_memory_every))
     progress_bar = bool(cfg.trainer.enable_progress_bar)

