@@ -44,6 +44,7 @@ PART_KEYS = {
     "pairing",
     "metrics",
 }
+METRICS = ("final", "auc")  # a part's compared metrics by default; each may name a dataset (final/<name>)
 PAIRINGS = ("prompts", "seeds")  # a part's pairing: the same prompts at every step, or the same seeds only
 PROBE_KEYS = {"seed", "every", "args", "beside"}
 
@@ -80,7 +81,7 @@ class Part:
     lengths: bool = False  # also the length of correct and wrong answers along training
     plan: list[str] = field(default_factory=list)  # how the settings' configs differ (check_part)
     pairing: str = "prompts"  # PAIRINGS: what run i of every setting shares (check_pairing)
-    metrics: list[str] = field(default_factory=lambda: ["final", "auc"])  # compared: final|auc[/<dataset>]
+    metrics: list[str] = field(default_factory=lambda: list(METRICS))  # compared: final|auc[/<dataset>]
 
 
 @dataclass
@@ -153,9 +154,9 @@ def _part(study: str, name: str, spec: dict, max_seeds: int | None, extra: list[
             f"{where}.pairing={pairing!r}: choose prompts (every setting draws the same prompts) or seeds "
             "(the same RL seed and starting policy; the prompts may differ, as across training levels)"
         )
-    metrics = [str(m) for m in spec.get("metrics") or ["final", "auc"]]
+    metrics = [str(m) for m in spec.get("metrics") or METRICS]
     for metric in metrics:
-        if metric.split("/", 1)[0] not in ("final", "auc") or metric.endswith("/"):
+        if metric.split("/", 1)[0] not in METRICS or metric.endswith("/"):
             raise ConfigError(
                 f"{where}.metrics has {metric!r}: each is final or auc, for all datasets, or "
                 "final/<dataset>, auc/<dataset> (a val/accuracy/<dataset> key, such as final/chain_sum@L1)"
@@ -421,11 +422,9 @@ def check_pairing(
                         f"{bad[0] if bad else '(none in common)'}: the seeds are not paired"
                     )
         if len(seeds) > 1:
-            one = {label: digests(runs[label][seeds[0]]) for label in labels if seeds[0] in runs[label]}
-            two = {label: digests(runs[label][seeds[1]]) for label in labels if seeds[1] in runs[label]}
-            label = next(iter(set(one) & set(two)), None)
-            if label and one[label] == two[label]:
-                raise ValueError(f"{label!r}: seeds {seeds[0]} and {seeds[1]} drew the same prompts")
+            label = next((lb for lb in labels if {seeds[0], seeds[1]} <= set(runs.get(lb, {}))), None)
+            if label:
+                check_seeds_differ(label, runs[label], seeds[:2])
         lines.append(
             f"{len(labels)} setting(s) with {b} prompts per step: for each of seeds {seeds}, every run drew "
             "the same prompts in the same order at every step (rollout/prompt_digest); the seeds differ."
@@ -433,18 +432,22 @@ def check_pairing(
     return lines
 
 
+def check_seeds_differ(label: str, by_seed: dict[int, dict], seeds: list[int]) -> None:
+    """Raise where `label`'s runs of two `seeds` drew the same prompts at their first step: the seed did
+    not reach the sampler (two seeds' first 96 prompts never coincide by chance)."""
+    first = [digests(by_seed[s]) for s in seeds]
+    if not all(first):
+        raise ValueError(f"{label!r}: no rollout/prompt_digest logged (a run from before it?)")
+    if first[0][min(first[0])] == first[1][min(first[1])]:
+        raise ValueError(f"{label!r}: seeds {seeds[0]} and {seeds[1]} drew the same prompts")
+
+
 def seeds_differ(runs: dict[str, dict[int, dict]]) -> str:
     """The finding of a part paired by seed only: within every setting, two seeds drew other prompts at
     their first step (the seed reached the sampler). Raises ValueError where they did not."""
     for label, by_seed in runs.items():
-        seeds = sorted(by_seed)
-        if len(seeds) < 2:
-            continue
-        first = [digests(by_seed[s]) for s in seeds[:2]]
-        if not all(first):
-            raise ValueError(f"{label!r}: no rollout/prompt_digest logged (a run from before it?)")
-        if first[0][min(first[0])] == first[1][min(first[1])]:
-            raise ValueError(f"{label!r}: seeds {seeds[0]} and {seeds[1]} drew the same prompts")
+        if len(by_seed) >= 2:
+            check_seeds_differ(label, by_seed, sorted(by_seed)[:2])
     return (
         "run i of every setting has RL seed i and the same starting policy; the settings train on other "
         "problems by design (pairing: seeds), and within each setting the seeds drew other prompts "
