@@ -18,6 +18,7 @@ from loorl.config import ConfigError
 from loorl.research import study as study_module
 from loorl.research.stats import holm, paired_difference
 from loorl.research.study import check_pairing, check_part, load_study
+from loorl.research.study_report import merge_headlines
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDY = [sys.executable, str(ROOT / "scripts" / "study.py")]
@@ -451,3 +452,11 @@ def test_the_prompt_digest_tells_prompts_and_their_order_apart():
     assert prompt_digest([a]) != prompt_digest([Prompt("1 + 2 = ", "3")])
     digest = prompt_digest([a, b])
     assert digest == int(digest) < 2**24 and float(np.float32(digest)) == digest  # exact through float32
+
+
+def test_a_report_of_some_parts_keeps_the_other_parts_headlines_in_place():
+    existing = "- **A**, by AUC: x 1.\n  No paired difference.\n- **B**, by AUC: y 2.\n  Paired: b - a.\n"
+    merged = merge_headlines(existing, {"B": ["- **B**, by AUC: y 3.", "  No paired difference."]})
+    assert merged == existing.replace("y 2.\n  Paired: b - a.", "y 3.\n  No paired difference.")
+    assert merge_headlines("", {"C": ["- **C**: z."]}) == "- **C**: z.\n"
+    assert merge_headlines(existing, {"C": ["- **C**: z."]}) == existing + "- **C**: z.\n"

@@ -435,7 +435,8 @@ def write_study_report(
 
     report_dir.mkdir(parents=True, exist_ok=True)
     images = report_dir.name  # the page that includes the tables sits beside the folder
-    learning, headlines = {}, []  # learning: part name -> label -> per-seed metrics
+    learning = {}  # part name -> label -> per-seed metrics
+    headlines = {}  # part title -> its bullet lines
     for part in study.parts:
         only = f"{command.split(' --', 1)[0]} --only {part.name}"
         if part.kind == "probe":
@@ -463,7 +464,7 @@ def write_study_report(
                      "before the runs):", "", *(f"- {line}" for line in part.plan), ""]  # fmt: skip
         summary, data = summary_table(part, jobs)
         comparisons, records = comparison_table(part, data)
-        headlines += headline(part, data, records)
+        headlines[part.title] = headline(part, data, records)
         text += summary + ["", *comparisons, "", f"![{part.title}]({images}/{part.name}_accuracy.png)", ""]
         plot_accuracy(part, jobs, samples, report_dir / f"{part.name}_accuracy.png")
         payload = {"settings": data, "comparisons": records}
@@ -496,4 +497,21 @@ def write_study_report(
         (report_dir / f"{part.name}.md").write_text("\n".join(text) + "\n")
         write_json(report_dir / f"{part.name}.json", payload)
     if headlines:
-        (report_dir / "headline.md").write_text("\n".join(headlines) + "\n")
+        path = report_dir / "headline.md"
+        path.write_text(merge_headlines(path.read_text() if path.exists() else "", headlines))
+
+
+def merge_headlines(existing: str, blocks: dict[str, list[str]]) -> str:
+    """headline.md with the reported parts' bullets (`blocks`: part title -> lines) in place of their
+    earlier ones; other parts' bullets (a report of `--only` some parts) stay where they were, and a
+    part new to the file goes last."""
+    kept: list[tuple[str | None, list[str]]] = []  # (title or None, lines), in the file's order
+    for line in existing.splitlines():
+        if line.startswith("- **"):
+            kept.append((line[4:].split("**", 1)[0], [line]))
+        elif kept:
+            kept[-1][1].append(line)
+    titles = [title for title, _ in kept]
+    out = [blocks.get(title, lines) for title, lines in kept]
+    out += [lines for title, lines in blocks.items() if title not in titles]
+    return "\n".join(line for lines in out for line in lines) + "\n"
