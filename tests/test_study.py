@@ -302,6 +302,10 @@ def test_the_level_table_and_the_per_level_comparison_by_hand(tmp_path, monkeypa
         "| fixed | 1 | chain_sum | L0 | L0 | never moved |",
     ]
     assert level_table(part, {"cur": {0: Job(tmp_path, [], 0, {}, {}, {})}, "fixed": {}}) == []
+    still = {"cur": {0: job([0, 0]), 1: job([0])}, "fixed": {0: job([1, 1]), 1: job([1])}}
+    assert level_table(part, still) == [  # no run moved: one line, not a row per run saying so
+        "Training levels (`curriculum/level/<dataset>`): fixed in every run: chain_sum L0/L1."
+    ]
 
     # cur - fixed per seed: final [0.5, 0.7] - [0.4, 0.4] = [0.1, 0.3]; at L1 [0.2, 0.2] - [0.1, 0.3]
     data = {"cur": {"final": [0.5, 0.7], "final/chain_sum@L1": [0.2, 0.2]},

@@ -160,8 +160,10 @@ def comparison_table(
 
 def level_table(part: Part, jobs: dict[str, dict[int, Job]]) -> list[str]:
     """The training level of each dataset with a logged one (`curriculum/level/<name>`), per setting and
-    seed: its last value and the steps it first reached each higher level. Empty without levels."""
-    lines = []
+    seed: its last value and the steps it first reached each higher level. Empty without levels; one
+    line where no run's level moved (fixed levels: a row per run would say nothing)."""
+    lines, fixed = [], {}  # fixed: dataset -> the levels it trained at, while nothing moved
+    moved = False
     for setting in part.settings:
         for seed, job in sorted(jobs[setting.label].items()):
             for key in sorted(k for k in job.history if k.startswith("curriculum/level/")):
@@ -170,12 +172,18 @@ def level_table(part: Part, jobs: dict[str, dict[int, Job]]) -> list[str]:
                 steps, levels = steps[order], levels[order].astype(int)
                 reached = [f"L{lv} at step {int(steps[np.argmax(levels >= lv)])}"
                            for lv in range(int(levels[0]) + 1, int(levels.max()) + 1)]  # fmt: skip
+                name = key.split("/", 2)[2]
+                moved |= bool(reached) or levels[-1] != levels[0]
+                fixed.setdefault(name, set()).add(int(levels[0]))
                 lines.append(
-                    f"| {setting.label} | {seed} | {key.split('/', 2)[2]} | L{levels[0]} | L{levels[-1]} "
+                    f"| {setting.label} | {seed} | {name} | L{levels[0]} | L{levels[-1]} "
                     f"| {', '.join(reached) or 'never moved'} |"
                 )
     if not lines:
         return []
+    if not moved:
+        held = ", ".join(f"{name} L{'/L'.join(map(str, sorted(lv)))}" for name, lv in sorted(fixed.items()))
+        return [f"Training levels (`curriculum/level/<dataset>`): fixed in every run: {held}."]
     head = ["| setting | seed | dataset | first level | last level | levels reached |", "|" + " --- |" * 6]
     return (
         head
