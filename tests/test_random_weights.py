@@ -143,3 +143,29 @@ def test_qwen05b_random_weights_at_its_real_size_with_smollm2s_tokenizer(quick_c
     summary = train(cfg)
     assert summary["rl_steps"] == 2
     assert "RANDOM WEIGHTS" in (tmp_path / "run" / "summary.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("name", "parameters"),
+    [  # the model cards' counts (Qwen2.5: 0.49B, 1.54B, 7.61B; Llama 3.1 8B: 8.03B)
+        ("qwen05b", 494_032_768),
+        ("qwen15b", 1_543_714_304),
+        ("qwen7b", 7_615_616_512),
+        ("llama8b", 8_030_261_248),
+    ],
+)
+def test_each_shipped_architecture_has_its_models_parameter_count(make_config, monkeypatch, name, parameters):
+    """Built on the meta device (no memory): the fields each hub config ships are the real model's."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from loorl.models.random_weights import architecture
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    fields, source = architecture(make_config(f"model={name}").model)  # the raw section, as scripts pass it
+    fields = dict(fields)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == parameters
+    assert source in ("shipped", "local")  # local: a developer's HF cache holds the real config.json

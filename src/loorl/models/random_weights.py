@@ -123,6 +123,10 @@ def architecture(model) -> tuple[dict, str]:
             "reached, and model.architecture is empty: add its config.json fields there (model_type, "
             "hidden_size, ...), or fetch the file with `hf download " + f"{name} config.json`"
         )
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(shipped, DictConfig):  # the raw `model` section (scripts), nested keys included
+        return OmegaConf.to_container(shipped, resolve=True), "shipped"
     return dict(shipped), "shipped"
 
 
