@@ -233,7 +233,8 @@ def assert_close_runs(a: Path, b: Path, *, rtol: float) -> float:
     return worst
 
 
-RUN_OUTPUTS = ("summary.md", "metrics.json", "learning_curve.png", "samples.csv", "csv", "policy", ".hydra")
+RUN_OUTPUTS = ("summary.md", "metrics.json", "learning_curve.png", "samples.csv", "csv", "policy", ".hydra",
+               "memory_plan.md", "memory_plan.json")  # fmt: skip
 
 
 def assert_run_outputs(run: Path) -> None:

@@ -13,7 +13,13 @@ from gguf_fixture import build_tokenizer
 from loorl.cli.train import train
 from loorl.config import check_config
 from loorl.errors import ConfigError
-from loorl.models.random_weights import RECORD, _hub_config, ensure_random_model, is_random_weights
+from loorl.models.random_weights import (
+    RECORD,
+    _hub_config,
+    architecture,
+    ensure_random_model,
+    is_random_weights,
+)
 from loorl.models.sources import model_label, pretrained_path
 
 SMALL = [  # qwen05b's model type and vocabulary, two narrow layers: a run in seconds
@@ -64,8 +70,8 @@ def test_qwen05b_with_random_weights_builds_with_sockets_blocked(
     make_config, tmp_path, local_tokenizer, blocked_sockets, monkeypatch, offline
 ):
     """The real qwen05b architecture (494M parameters, the count by hand), its shipped fields: with
-    HF_HUB_OFFLINE nothing tries the network; without it, the one probe of the hub fails and the build
-    goes on."""
+    HF_HUB_OFFLINE nothing tries the network; without it, the one probe of the hub fails and the
+    shipped fields are taken (the build, the same from then on, runs in the offline case only: 25 s)."""
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty HF cache: no config.json there
     if offline:
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -75,8 +81,13 @@ def test_qwen05b_with_random_weights_builds_with_sockets_blocked(
         "model=qwen05b", "model.weights=random", f"model.cache_dir={tmp_path / 'cache'}",
         f"model.random_weights.tokenizer={local_tokenizer}",
     )  # fmt: skip
-    s = check_config(cfg)  # builds it (check_model_reachable), as a run's first line does
+    s = check_config(cfg)  # finds the architecture; the run builds the model after its memory plan
     folder = pretrained_path(s.model)
+    assert not os.path.exists(folder)
+    if not offline:
+        assert architecture(s.model)[1] == "shipped" and len(blocked_sockets) == 1
+        return
+    ensure_random_model(s.model)
     record = json.loads((tmp_path / "cache" / folder.split("/")[-1] / RECORD).read_text())
     shipped = dict(cfg.model.architecture)
     assert record["architecture_source"] == "shipped"
@@ -85,10 +96,7 @@ def test_qwen05b_with_random_weights_builds_with_sockets_blocked(
     assert is_random_weights(folder) and "RANDOM WEIGHTS" in model_label(s.model)
     config = json.loads((tmp_path / "cache" / folder.split("/")[-1] / "config.json").read_text())
     assert config["eos_token_id"] == 2  # the tokenizer's <|im_end|>, so generation stops on it
-    if offline:
-        assert blocked_sockets == []
-    else:
-        assert len(blocked_sockets) == 1
+    assert blocked_sockets == []
 
 
 def test_a_run_on_random_weights_is_marked_in_every_output(quick_cfg, tmp_path, local_tokenizer, caplog):
@@ -106,8 +114,57 @@ def test_a_run_on_random_weights_is_marked_in_every_output(quick_cfg, tmp_path, 
     assert "RANDOM WEIGHTS (model.weights=random)" in summary
     assert (run / "policy-random-weights" / "config.json").is_file() and not (run / "policy").exists()
     assert is_random_weights(run / "policy-random-weights")
+    assert (run / "policy-random-weights" / RECORD).is_file()  # the folder says so under any name
+    assert "RANDOM WEIGHTS" in (run / "policy-random-weights" / "README.md").read_text()
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any(m.startswith("weights: RANDOM WEIGHTS") for m in warned)  # the log (train.log under the CLI)
+
+
+def test_qwen7b_full_on_this_host_stops_at_its_memory_plan_building_nothing(
+    make_config, tmp_path, local_tokenizer, blocked_sockets, monkeypatch
+):
+    """The user's command on a CPU host: the plan (144 GiB for the full fine-tune) stops it with the fix
+    before the 15 GB of random weights are written, and without touching the network."""
+    from loorl.models.plan_inputs import host_memory_bytes
+
+    if host_memory_bytes() > 200 * 2**30:
+        pytest.skip("this host holds a 7B full fine-tune")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    cache = tmp_path / "cache"
+    cfg = make_config(
+        "model=qwen7b", "model.weights=random", "trainer.accelerator=cpu", f"model.cache_dir={cache}",
+        f"model.random_weights.tokenizer={local_tokenizer}", output_dir=tmp_path / "run",
+    )  # fmt: skip
+    stop = r"^memory plan: does not fit cpu \(.*\): peak 1\d\d\.\d\d GiB; "  # 144 GiB
+    with pytest.raises(ConfigError, match=stop) as err:
+        train(cfg)
+    fix = "'model.lora={r: 16, base_dtype: bfloat16}' brings it to"  # 22.8 GiB: where the host has more
+    assert fix in str(err.value) or "no listed change makes it fit" in str(err.value)
+    assert str(err.value).endswith("or memory_check=false to run anyway (plan=true prints the plan)")
+    assert not cache.exists() or not any(cache.glob("random-weights-*"))
+    assert blocked_sockets == []
+
+
+def test_the_cli_s_plan_flag_prints_qwen7b_s_plan_for_a_gpu_it_does_not_have(tmp_path, local_tokenizer):
+    """`python src/train.py model=qwen7b model.weights=random --plan plan_device=cuda:80`: the table, the
+    verdict and LoRA as the fix, from the shipped architecture alone (nothing built)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    command = [sys.executable, str(root / "src" / "train.py"), "model=qwen7b", "model.weights=random",
+               "--plan", "plan_device=cuda:80", f"model.cache_dir={tmp_path / 'cache'}",
+               f"hydra.run.dir={tmp_path / 'run'}",
+               f"model.random_weights.tokenizer={local_tokenizer}"]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=root, env=env)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "| AdamW moments | 56.74 | 56.74 |" in done.stdout  # 7,615,616,512 x 8 bytes
+    assert "memory plan: does not fit cuda (80.0 GiB)" in done.stdout
+    assert "'model.lora={r: 16, base_dtype: bfloat16}' brings it to" in done.stdout
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").glob("random-weights-*"))
 
 
 def test_random_weights_without_an_architecture_is_one_line_before_anything_loads(make_config):

@@ -14,7 +14,7 @@ from loorl import resolvers
 from loorl.algo import estimators
 from loorl.errors import ConfigError
 from loorl.models.lora import check_lora
-from loorl.models.sources import check_model_reachable, pretrained_path
+from loorl.models.sources import check_model_reachable, pretrained_path, tokenizer_at_hand
 from loorl.parallel.distributed import check_world_divides
 from loorl.rollout.engines.base import EngineContext
 from loorl.rollout.engines.factory import engine_class
@@ -201,19 +201,9 @@ def checked_toolset(s: Settings, engine: type, tokenizer=None):
 
 
 def check_tools(s: Settings, engine: type) -> None:
-    """`checked_toolset` with the tokenizer where it can be had without building the model: the tiny
-    model's, or a local model folder's (a hub model's tags are checked when the engine is built)."""
-    path = pretrained_path(s.model)
-    tokenizer = None
-    if path is None:
-        from loorl.models.tiny import build_char_tokenizer
-
-        tokenizer = build_char_tokenizer()
-    elif Path(path).is_dir():
-        from loorl.models.load import load_tokenizer
-
-        tokenizer = load_tokenizer(path)
-    checked_toolset(s, engine, tokenizer)
+    """`checked_toolset` with the tokenizer where it can be had without building the model
+    (`tokenizer_at_hand`; a hub model's tags are checked when the engine is built)."""
+    checked_toolset(s, engine, tokenizer_at_hand(s.model))
 
 
 def sampler_placement_of(s: Settings):

@@ -21,7 +21,8 @@ log = logging.getLogger("loorl")
 
 def launch(config_name: str, main) -> None:
     """`python src/<command>.py [overrides]`: misspelt group choices are one `error:` line before Hydra
-    starts; then Hydra composes `conf/<config_name>.yaml` and calls `main(cfg)`."""
+    starts; then Hydra composes `conf/<config_name>.yaml` and calls `main(cfg)`. `train`'s `--plan` is
+    `plan=true`."""
     import sys
 
     import hydra
@@ -29,6 +30,8 @@ def launch(config_name: str, main) -> None:
     from loorl.config import CONF_DIR, check_group_choices
     from loorl.errors import ConfigError
 
+    if config_name == "train":  # `--plan`: the memory plan's flag spelling of `plan=true`
+        sys.argv = [("plan=true" if a == "--plan" else a) for a in sys.argv]
     try:
         check_group_choices([a for a in sys.argv[1:] if not a.startswith("-")])
     except ConfigError as err:

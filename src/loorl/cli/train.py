@@ -14,8 +14,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from loorl.build import build_run, build_task, identity
 from loorl.cli.console import ProgressLines, run_cli
+from loorl.cli.plan import check_memory, verdict_line, write_plan
 from loorl.config import check_config
-from loorl.models.random_weights import export_folder_name, random_weights_facts
+from loorl.models.random_weights import export_folder_name, mark_export, random_weights_facts
 from loorl.models.sources import model_label
 from loorl.parallel.distributed import shutdown
 from loorl.parallel.launch import configure_threads
@@ -118,8 +119,15 @@ def train_job(cfg: DictConfig) -> dict[str, float]:
     set_float32_matmul_precision(s.run.float32_matmul_precision)
 
     task = build_task(s)
+    planned = check_memory(cfg, s, task)  # a run predicted not to fit stops here, with the fix
+    if s.run.plan:  # plan=true: the plan printed, no model loaded
+        return {}
+    if rank_zero_only.rank == 0:
+        write_plan(planned, output_dir)
     facts = task.run_facts()  # e.g. the sandbox isolation of a code task: said once, and in summary.md
     facts |= random_weights_facts(s.model)  # a random-weights run can never pass for a trained one
+    if planned is not None:
+        facts["memory plan"] = verdict_line(planned).removeprefix("memory plan: ")
     for name, line in facts.items():
         (log.warning if name == "weights" else log.info)("%s: %s", name, line)
     parts = build_run(s, task=task)
@@ -192,6 +200,8 @@ def train_job(cfg: DictConfig) -> dict[str, float]:
         trainer.fit(module, datamodule=datamodule, ckpt_path=resume.path if resume else None)
     finally:
         finish_loggers(loggers)
+    if s.run.export_policy and trainer.is_global_zero:
+        mark_export(s.model, output_dir / export_folder_name(s.model))  # random weights: the record too
     # rank 0: the figures summary.md shows (the peak is read once); other ranks: their own
     result = summary.written or summary.summary(trainer)
     # after every output is written, since SLURM ends the job as soon as it is requeued

@@ -89,17 +89,12 @@ def skeleton(model: ModelSettings) -> torch.nn.Module | None:
     """The policy's module tree on the meta device (no weights, no memory) from its config alone; None
     where the config cannot be read without fetching or building anything (a GGUF model before its
     conversion, a hub model outside the local cache): `apply_lora` checks the loaded model then."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    from loorl.models.sources import pretrained_path
-    from loorl.models.tiny import tiny_config
+    from loorl.models.sources import model_config
 
-    path = pretrained_path(model)
-    if path is None and model.tiny is None:
-        return None
-    try:
-        config = tiny_config(model.tiny) if path is None else AutoConfig.from_pretrained(path)
-    except (OSError, ValueError):
+    config = model_config(model)
+    if config is None:
         return None
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config)

@@ -48,8 +48,8 @@ def uses_random_weights(model) -> bool:
 
 
 def is_random_weights(path: str | os.PathLike | None) -> bool:
-    """Whether a model folder (a run's starting weights, or a policy exported from them) holds random
-    weights: it carries the record, or its name says so."""
+    """Whether a model folder (a run's starting weights, or a policy exported from them: `mark_export`)
+    holds random weights: it carries the record, or its name says so."""
     if path is None:
         return False
     path = Path(os.path.expanduser(str(path)))
@@ -69,6 +69,16 @@ def random_weights_facts(model) -> dict[str, str]:
 def export_folder_name(model) -> str:
     """The exported policy's folder beside the run: `policy`, or `policy-random-weights`."""
     return "policy-random-weights" if uses_random_weights(model) else "policy"
+
+
+def mark_export(model, export_dir: Path) -> None:
+    """Copy the build's record and README (RANDOM WEIGHTS) into a policy exported from it, so that the
+    folder says so wherever it is moved or renamed."""
+    if not uses_random_weights(model) or not export_dir.is_dir():
+        return
+    source = random_model_dir(model)
+    for name in (RECORD, "README.md"):
+        shutil.copyfile(source / name, export_dir / name)
 
 
 def check_random_weights_settings(model) -> None:
@@ -130,6 +140,18 @@ def architecture(model) -> tuple[dict, str]:
     return dict(shipped), "shipped"
 
 
+def config_from_fields(fields: dict, name: str):
+    """A transformers config from config.json's fields (a hub file's keys that build nothing dropped)."""
+    from transformers import AutoConfig
+
+    dropped = ("_name_or_path", "auto_map", "quantization_config")
+    fields = {k: v for k, v in fields.items() if k not in dropped}
+    model_type = fields.pop("model_type", None)
+    if model_type is None:
+        raise ConfigError(f"model.architecture for {name} has no model_type: add it (qwen2, llama)")
+    return AutoConfig.for_model(model_type, **fields)
+
+
 def tokenizer_source(model) -> Path:
     """The folder of the tokenizer that goes with the random weights (built or converted if needed)."""
     spec = getattr(model, "random_weights", None)
@@ -183,21 +205,14 @@ def ensure_random_model(model) -> Path:
 
 
 def _build(model, target: Path) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from loorl.models.load import load_tokenizer
 
     fields, source = architecture(model)
     tokenizer_dir = tokenizer_source(model)
     tokenizer = load_tokenizer(str(tokenizer_dir))
-    dropped = ("_name_or_path", "auto_map", "quantization_config")  # a hub file's keys that build nothing
-    fields = {k: v for k, v in fields.items() if k not in dropped}
-    model_type = fields.pop("model_type", None)
-    if model_type is None:
-        raise ConfigError(
-            f"model.architecture for {model.name_or_path} has no model_type: add it (qwen2, llama)"
-        )
-    config = AutoConfig.for_model(model_type, **fields)
+    config = config_from_fields(fields, model.name_or_path)
     if len(tokenizer) > config.vocab_size:
         raise ConfigError(
             f"model.random_weights.tokenizer has {len(tokenizer)} ids and {model.name_or_path}'s vocabulary "

@@ -10,7 +10,14 @@ from pathlib import Path
 
 from loorl.errors import ConfigError
 from loorl.models.hub import hub_unreachable_reason, looks_like_local_path
-from loorl.models.random_weights import LABEL, ensure_random_model, random_model_dir, uses_random_weights
+from loorl.models.random_weights import (
+    LABEL,
+    architecture,
+    config_from_fields,
+    ensure_random_model,
+    random_model_dir,
+    uses_random_weights,
+)
 from loorl.models.tiny import ensure_tiny_model, tiny_model_dir
 from loorl.tasks.base import Task
 
@@ -39,6 +46,48 @@ def pretrained_path(model) -> str | None:
     return None
 
 
+def model_config(model):
+    """The model's transformers config without loading weights or building anything: the tiny model's,
+    a random-weights build's architecture (local, hub or shipped fields), a local folder's or the HF
+    cache's config.json, else the fields the model file ships (`model.architecture`); None where none
+    is at hand (a hub model outside the cache, a GGUF model before its conversion)."""
+    from transformers import AutoConfig
+
+    from loorl.models.tiny import build_char_tokenizer, tiny_config
+
+    if model.name_or_path is None and model.tiny is not None:
+        return tiny_config(model.tiny, build_char_tokenizer())
+    if uses_random_weights(model):
+        return config_from_fields(architecture(model)[0], model.name_or_path)
+    path = pretrained_path(model)
+    if path is not None:
+        try:
+            return AutoConfig.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError):
+            pass
+    if getattr(model, "architecture", None):
+        return config_from_fields(dict(model.architecture), model.name_or_path)
+    return None
+
+
+def tokenizer_at_hand(model):
+    """The run's tokenizer where it can be had without a download or building the model: the tiny
+    model's, a random-weights build's (its chosen tokenizer), a local folder's or a converted GGUF
+    model's; None otherwise (a hub model's is loaded with it)."""
+    from loorl.models.load import load_tokenizer
+    from loorl.models.random_weights import tokenizer_source
+    from loorl.models.tiny import build_char_tokenizer
+
+    if model.name_or_path is None and model.tiny is not None:
+        return build_char_tokenizer()
+    if uses_random_weights(model):
+        return load_tokenizer(str(tokenizer_source(model)))
+    path = pretrained_path(model)
+    if path is not None and Path(path).is_dir():
+        return load_tokenizer(path)
+    return None
+
+
 def model_label(model) -> str:
     """The model as a run title names it: the configured hub id or path, a GGUF model's file name,
     or `tiny` for the locally built one (not the config's name: `model=tiny model.name_or_path=X`
@@ -63,11 +112,12 @@ def check_model_reachable(model) -> None:
     """Fail with one line if a configured model cannot be found, before any weights load.
 
     Only the model's config.json is read (from disk, the HF cache or the hub). A GGUF model is
-    fetched and converted here on its first use (later checks read its config.json), and so is a
-    random-weights build.
+    fetched and converted here on its first use (later checks read its config.json). A random-weights
+    build only has its architecture found here: the run builds it after its memory plan (a 7B build
+    written to disk for a run the plan then stops would be minutes and 15 GB lost).
     """
     if uses_random_weights(model):
-        ensure_random_model(model)
+        architecture(model)  # found, or one line naming the fix
         return
     name = model.name_or_path
     if active_gguf(model) is not None:

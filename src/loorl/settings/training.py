@@ -41,6 +41,10 @@ class RunSettings(Section):
     trim_freed_memory_every: NonNegativeInt = 5  # RL steps between handing kept memory back; 0: never
     # float32 matrix products on CUDA (torch.set_float32_matmul_precision); high/medium: tensor cores
     float32_matmul_precision: Literal["highest", "high", "medium"] = "highest"
+    plan: bool = False  # print the memory plan (each term of one process's peak) and stop
+    # plan for another device: cuda:<GiB a GPU>[x<GPUs on the node>] or cpu:<GiB>; None: this machine's
+    plan_device: Annotated[str, Field(pattern=r"^(cpu|cuda):\d+(\.\d+)?(x\d+)?$")] | None = None
+    memory_check: bool = True  # a run the plan says does not fit stops with the fix; False: run anyway
 
 
 @dataclass(frozen=True, config=SCHEMA)

