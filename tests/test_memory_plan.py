@@ -236,3 +236,17 @@ def test_the_plan_is_within_15_percent_of_the_measured_peak(case, tmp_path):
     script.run_case(case, script.CASES[case], tmp_path)
     row = script.compare(case, script.CASES[case], tmp_path / case)
     assert abs(row["error"]) <= 0.15, row
+
+
+def test_the_processes_on_this_host_share_its_memory(quick_cfg, monkeypatch):
+    """On the CPU each process of a run gets the host's memory over the processes on this node (torchrun's
+    LOCAL_WORLD_SIZE, srun's tasks, else trainer.devices), not over the whole run's."""
+    from loorl.cli.plan import memory_plan
+    from loorl.config import check_config
+    from loorl.models.plan_inputs import host_memory_bytes
+
+    cfg = quick_cfg()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert memory_plan(cfg, check_config(cfg))[0].device_bytes == host_memory_bytes() // 4
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert memory_plan(cfg, check_config(cfg))[0].device_bytes == host_memory_bytes()

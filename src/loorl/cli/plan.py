@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -21,15 +22,9 @@ from loorl.models.plan_inputs import (
     workload_of,
 )
 from loorl.models.sources import model_config, tokenizer_at_hand
+from loorl.parallel.launch import lightning_launched_processes, processes_on_this_node
 
 log = logging.getLogger(__name__)
-
-
-def processes(cfg: DictConfig) -> int:
-    """The processes FSDP shards over, or that share the host (trainer.devices x num_nodes)."""
-    devices = cfg.trainer.get("devices", 1)
-    devices = int(devices) if str(devices).isdigit() else 1  # "auto": known once launched
-    return devices * int(cfg.trainer.get("num_nodes", 1) or 1)
 
 
 def memory_plan(cfg: DictConfig, s, task=None) -> tuple[Plan, Plan | None] | None:
@@ -40,7 +35,9 @@ def memory_plan(cfg: DictConfig, s, task=None) -> tuple[Plan, Plan | None] | Non
     if config is None:
         return None
     arch, lora_fix = architecture_of(config, s.model.lora)
-    world = processes(cfg)
+    per_node = lightning_launched_processes(cfg)
+    world = per_node * int(cfg.trainer.get("num_nodes", 1) or 1)  # the processes FSDP shards over
+    on_host, _ = processes_on_this_node(os.environ, lightning_devices=per_node)  # they share its memory
     offload = bool(s.strategy == "fsdp" and (cfg.trainer.get("strategy") or {}).get("offload_params"))
     prompt = None
     tokenizer = tokenizer_at_hand(s.model) if task is not None else None
@@ -51,7 +48,13 @@ def memory_plan(cfg: DictConfig, s, task=None) -> tuple[Plan, Plan | None] | Non
     else:
         on_cuda, device_bytes, devices_on_node = s.on_cuda, None, cuda_device_count() if s.on_cuda else 1
     work = workload_of(
-        s, world=world, offload=offload, on_cuda=on_cuda, device_bytes=device_bytes, prompt_tokens=prompt
+        s,
+        world=world,
+        processes_on_host=on_host,
+        offload=offload,
+        on_cuda=on_cuda,
+        device_bytes=device_bytes,
+        prompt_tokens=prompt,
     )
     work = with_vllm(work, arch, s.rollout.vllm, s.model.dtype)
     plan = make_plan(arch, work)

@@ -19,7 +19,7 @@ from loorl.config import check_config
 from loorl.models.random_weights import export_folder_name, mark_export, random_weights_facts
 from loorl.models.sources import model_label
 from loorl.parallel.distributed import shutdown
-from loorl.parallel.launch import configure_threads
+from loorl.parallel.launch import configure_threads, lightning_launched_processes
 from loorl.rollout.engines.sync import EngineSync
 from loorl.training.callbacks import HFExport, PhaseMemory, RunSummary, SampleLog, TrimFreedMemory
 from loorl.training.checkpoints import (
@@ -209,13 +209,6 @@ def train_job(cfg: DictConfig) -> dict[str, float]:
         requeue_slurm_job(slurm_job_id())
     shutdown()
     return result
-
-
-def lightning_launched_processes(cfg: DictConfig) -> int:
-    """The processes Lightning's own launcher will start on this machine (`trainer.devices` on CPU;
-    torchrun and srun describe their own launches in the environment, which wins)."""
-    devices = cfg.trainer.get("devices", 1)
-    return int(devices) if str(devices).isdigit() else 1
 
 
 def continue_wandb_run(wandb_cfg: DictConfig, run_id: str | None) -> None:

@@ -227,11 +227,11 @@ def generation(a: Architecture, w: Workload) -> list[Term]:
 
 def make_plan(a: Architecture, w: Workload, overrides: tuple[str, ...] = ()) -> Plan:
     base = "CUDA context and slack" if w.device == "cuda" else "process before the model (measured)"
-    transient = [*activations(a, w)]
-    casts = [t for t in training_state(a, w) if t.name == "autocast weight casts"]
+    state, transient = training_state(a, w), activations(a, w)
+    casts = [t for t in state if t.name == "autocast weight casts"]
     freed = sum(t.training for t in [*transient, *casts])  # gone when the optimizer steps
     terms = [
-        *training_state(a, w),
+        *state,
         *reference(a, w),
         *fsdp_units(a, w),
         *transient,

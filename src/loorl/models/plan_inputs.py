@@ -97,16 +97,18 @@ def workload_of(
     s,
     *,
     world: int = 1,
+    processes_on_host: int = 1,
     offload: bool = False,
     on_cuda: bool | None = None,
     device_bytes: int | None = None,
     prompt_tokens: int | None = None,
 ) -> Workload:
     """One process's `Workload` from a run's checked settings `s` (`loorl.config.Settings`; duck-typed:
-    this layer does not import it). `world`: the processes FSDP shards over (1: no sharding) or that
-    share the host (CPU); `offload`: FSDP's offload_params; `on_cuda`, `device_bytes`: another device
-    than this machine's (`plan_device`); `prompt_tokens`: the longest prompt (None:
-    `rollout.max_prompt_length`, the most a prompt may have)."""
+    this layer does not import it). `world`: the run's processes (FSDP shards over them; each gets
+    its share of a step's prompts); `processes_on_host`: those on this machine, which share its memory
+    (CPU); `offload`: FSDP's offload_params; `on_cuda`, `device_bytes`: another device than this
+    machine's (`plan_device`); `prompt_tokens`: the longest prompt (None: `rollout.max_prompt_length`,
+    the most a prompt may have)."""
     on_cuda = s.on_cuda if on_cuda is None else on_cuda
     model, rl, rollout = s.model, s.rl, s.rollout
     prompt = (
@@ -124,7 +126,7 @@ def workload_of(
     if on_cuda:
         device_bytes, base = device_bytes or cuda_memory_bytes(), CUDA_SLACK
     else:
-        device_bytes, base = (device_bytes or host_memory_bytes()) // max(1, world), resident_bytes()
+        device_bytes, base = (device_bytes or host_memory_bytes()) // processes_on_host, resident_bytes()
     return Workload(
         device="cuda" if on_cuda else "cpu",
         device_bytes=device_bytes,

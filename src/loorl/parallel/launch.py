@@ -44,6 +44,13 @@ def slurm_tasks_on_this_node(env: Mapping[str, str]) -> int | None:
     return per_node[node] if node < len(per_node) else per_node[-1]
 
 
+def lightning_launched_processes(cfg) -> int:
+    """The processes Lightning's own launcher will start on this machine (`trainer.devices` of the run's
+    config; torchrun and srun describe their own launches in the environment, which wins)."""
+    devices = cfg.trainer.get("devices", 1)
+    return int(devices) if str(devices).isdigit() else 1
+
+
 def processes_on_this_node(env: Mapping[str, str], *, lightning_devices: int = 1) -> tuple[int, str]:
     """How many processes of the run share this node, and which launcher said so: torchrun's
     LOCAL_WORLD_SIZE, srun's tasks on this node, else `trainer.devices` (Lightning's own launcher
