@@ -34,7 +34,10 @@ class GrowingSums(Task):
         self.name = name
         self.max_operands = list(max_operands)
         self.curriculum = Curriculum(
-            levels={name: 0}, max_levels={name: len(self.max_operands) - 1}, window=window, raise_above=raise_above
+            levels={name: 0},
+            max_levels={name: len(self.max_operands) - 1},
+            window=window,
+            raise_above=raise_above,
         )
         top = self.max_operands[-1]
         pairs = [(a, b) for a in range(top + 1) for b in range(top + 1)]
