@@ -28,14 +28,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from loorl.config import ConfigError  # noqa: E402
-from loorl.research.study import (  # noqa: E402
-    check_part,
-    load_study,
-    run_probe,
-    run_training,
-    study_names,
-)
+from loorl.research.study import load_study, study_names  # noqa: E402
+from loorl.research.study_configs import check_part  # noqa: E402
 from loorl.research.study_report import write_study_report  # noqa: E402
+from loorl.research.study_runs import run_probe, run_training  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -94,7 +90,7 @@ def main(argv: list[str]) -> int:
         for part in study.parts:
             failed += run_probe(out, part) if part.kind == "probe" else run_training(out, part)
     per_step = {
-        part.name: {s.label: s.samples_per_step for s in part.settings}
+        part.name: {s.label: s.report_facts for s in part.settings}
         for part in study.parts
         if part.kind == "train"
     }

@@ -14,21 +14,11 @@ import pytest
 import yaml
 
 from fixtures import installed, needs_wandb
-from loorl.research.ablation import (
-    Job,
-    accuracy_auc,
-    checkpoint_bytes,
-    cost_before,
-    cost_through,
-    group_settings,
-    job_metrics,
-    markdown_table,
-    mean_ci,
-    moving_average,
-    reach,
-    reach_metrics,
-    summarize,
-)
+from loorl.research.ablation import markdown_table, summarize
+from loorl.research.ablation_plots import moving_average
+from loorl.research.job_metrics import accuracy_auc, checkpoint_bytes, job_metrics, reach, reach_metrics
+from loorl.research.jobs import Job, cost_before, cost_through, group_settings
+from loorl.research.stats import mean_ci
 
 ROOT = Path(__file__).resolve().parents[1]
 ABLATE = [sys.executable, str(ROOT / "scripts" / "ablate.py")]
@@ -117,7 +107,7 @@ def test_groups_with_signal_per_step_with_and_without_dynamic_sampling():
 
 
 def test_the_tool_use_columns_show_first_and_last_and_only_where_a_run_used_tools():
-    from loorl.research.ablation import Setting
+    from loorl.research.jobs import Setting
 
     tools = history_job([(0, 0.3), (10, 0.9)], steps=10, **{"val/tool_used_frac": [(10, 1.0), (0, 0.5)]})
     control = history_job([(0, 0.1), (10, 0.2)], steps=10)
@@ -133,7 +123,7 @@ def test_the_tool_use_columns_show_first_and_last_and_only_where_a_run_used_tool
 
 
 def test_the_reach_table_counts_the_seeds_that_got_there():
-    from loorl.research.ablation import Setting
+    from loorl.research.jobs import Setting
 
     slow = history_job([(0, 0.3), (10, 0.75)], steps=10)
     fast = history_job([(0, 0.3), (5, 0.71), (10, 0.85)], steps=10)

@@ -1,4 +1,4 @@
-"""The estimator study's tooling (scripts/study.py, loorl.research.study, .stats, .study_report): the paired
+"""The estimator study's tooling (scripts/study.py, loorl.research.study*, .stats): the paired
 statistics by hand, the config-difference check, paired seeds on the real study's prompts and on real
 runs, resuming, and the report."""
 
@@ -17,7 +17,9 @@ import yaml
 from loorl.config import ConfigError
 from loorl.research import study as study_module
 from loorl.research.stats import holm, paired_difference
-from loorl.research.study import check_pairing, check_part, load_study
+from loorl.research.study import load_study
+from loorl.research.study_configs import check_part
+from loorl.research.study_pairing import check_pairing
 from loorl.research.study_report import merge_headlines
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -277,8 +279,8 @@ def test_pairing_by_seed_lets_settings_draw_other_prompts_but_not_seeds_the_same
 
 
 def test_the_level_table_and_the_per_level_comparison_by_hand(tmp_path, monkeypatch):
-    from loorl.research.ablation import Job
-    from loorl.research.study_report import comparison_table, level_table, metric_title
+    from loorl.research.jobs import Job
+    from loorl.research.study_tables import comparison_table, level_table, metric_title
 
     name = write_study(tmp_path, monkeypatch, {"p": {
         "settings": {"cur": [], "fixed": []}, "seeds": 2, "pairing": "seeds", "reference": "fixed",

@@ -116,12 +116,12 @@ def advantage_fns(estimator=None) -> dict[str, Callable[[AdvantageInput], torch.
     return {**fns, "batch_mean": batch_mean_baseline}
 
 
-def build(options: ProbeOptions, overrides: list[str], out: Path):
+def build_probed_run(options: ProbeOptions, overrides: list[str], out: Path):
     """The composed config, its settings, the DataModule (engine, task, rewards) and the module (policy,
     loss), the policy loaded from `options.policy` where given and synced into the engine."""
     from loorl.build import build_run
-    from loorl.cli.evaluate import check_checkpoint, policy_kind
     from loorl.config import check_config, compose_config
+    from loorl.training.saved_policy import check_checkpoint, policy_kind
 
     sizes = [f"rl.samples_per_prompt={options.samples}"]
     sizes += [f"rl.prompts_per_{what}={options.prompts}" for what in ("step", "minibatch", "microbatch")]
@@ -164,7 +164,7 @@ def probe(
     options.check()
     started = time.perf_counter()
     torch.manual_seed(0)
-    cfg, s, datamodule, module = build(options, overrides, out)
+    cfg, s, datamodule, module = build_probed_run(options, overrides, out)
     prompts = datamodule.task.prompts_for_step(0, options.prompts, seed=s.run.seed)
     fns = advantage_fns(s.estimator)
     shifts = (0.0, options.shift)
