@@ -17,7 +17,8 @@ import torch
 
 import loorl.rollout.engines.vllm_engine as vllm_engine
 from loorl.errors import ConfigError
-from loorl.rollout.engines.vllm_engine import VLLMEngine, check_vllm_version, rank_seed
+from loorl.rollout.engines.vllm_colocation import rank_seed
+from loorl.rollout.engines.vllm_engine import VLLMEngine, check_vllm_version
 from loorl.types import SamplingConfig
 
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "VLLM_ENABLE_V1_MULTIPROCESSING")
