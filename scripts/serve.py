@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     from loorl.errors import ConfigError
     from loorl.models.sources import resolve_model_path
     from loorl.rollout.engines.server_launch import SERVER_ENVIRONMENT, server_command
-    from loorl.rollout.engines.vllm_engine import _context_length
+    from loorl.rollout.engines.vllm_engine import context_length
     from loorl.rollout.engines.vllm_server import max_loras, server_settings, transfer_backend
     from loorl.util.hardware import cuda_available
 
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     lora = s.model.lora
     command = server_command(
         model_path=path, port=args.port, host=args.host, dtype=server.dtype or s.model.dtype,
-        max_model_len=server.max_model_len or _context_length(s.rollout, path, s.completion_tokens),
+        max_model_len=server.max_model_len or context_length(s.rollout, path, s.completion_tokens),
         backend=transfer_backend(server.backend, cuda=cuda),
         kv_cache_memory_gb=server.kv_cache_memory_gb or (None if cuda else 1.0),
         gpu_memory_utilization=server.gpu_memory_utilization,

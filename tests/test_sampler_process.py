@@ -14,7 +14,8 @@ from loorl.models.load import load_tokenizer
 from loorl.models.sources import resolve_model_path
 from loorl.parallel.launch import cpu_set
 from loorl.rollout.engines.factory import build_engine
-from loorl.rollout.engines.sampler_process import Placement, ProcessEngine, parse_cores, sampler_placement
+from loorl.rollout.engines.sampler_process import Placement, parse_cores, sampler_placement
+from loorl.rollout.engines.wrappers.process_engine import ProcessEngine
 
 TWO = {0, 1}
 

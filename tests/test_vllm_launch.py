@@ -15,9 +15,10 @@ import types
 import pytest
 import torch
 
+import loorl.rollout.engines.vllm_colocation as vllm_colocation
 import loorl.rollout.engines.vllm_engine as vllm_engine
 from loorl.errors import ConfigError
-from loorl.rollout.engines.vllm_engine import VLLMEngine, check_vllm_version, rank_seed
+from loorl.rollout.engines.vllm_engine import VLLMEngine, check_vllm_version
 from loorl.types import SamplingConfig
 
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "VLLM_ENABLE_V1_MULTIPROCESSING")
@@ -76,8 +77,9 @@ IN_PROCESS_ARGUMENTS = {
 
 
 def _world(monkeypatch, *, rank: int, world: int, cuda: bool, device: int = 0) -> None:
-    monkeypatch.setattr(vllm_engine, "rank_and_world", lambda: (rank, world))
-    monkeypatch.setattr(vllm_engine, "cuda_available", lambda: cuda)
+    monkeypatch.setattr(vllm_colocation, "rank_and_world", lambda: (rank, world))
+    for module in (vllm_engine, vllm_colocation):  # the engine's settings and its placement
+        monkeypatch.setattr(module, "cuda_available", lambda: cuda)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: device)
 
 
@@ -111,7 +113,7 @@ def test_each_of_two_cuda_ranks_builds_its_engine_on_its_own_gpu(recorded, monke
         llm = recorded[-1]
         assert llm.kwargs == IN_PROCESS_ARGUMENTS | {
             "distributed_executor_backend": "external_launcher",
-            "seed": rank_seed(7, rank),
+            "seed": vllm_colocation.rank_seed(7, rank),
         }
         assert llm.environment == {
             "RANK": str(rank),
@@ -125,9 +127,9 @@ def test_each_of_two_cuda_ranks_builds_its_engine_on_its_own_gpu(recorded, monke
 
 
 def test_rank_seeds_differ_by_rank_and_run_seed():
-    seeds = {rank_seed(seed, rank) for seed in range(4) for rank in range(8)}
+    seeds = {vllm_colocation.rank_seed(seed, rank) for seed in range(4) for rank in range(8)}
     assert len(seeds) == 32 and all(0 <= s < 2**31 for s in seeds)
-    assert rank_seed(3, 1) == rank_seed(3, 1)
+    assert vllm_colocation.rank_seed(3, 1) == vllm_colocation.rank_seed(3, 1)
 
 
 @pytest.mark.parametrize("installed", ["0.16.0", "0.16.0rc1", "0.32.0", "0.33.0+cu130", None, "dev"])

@@ -87,7 +87,8 @@ def test_a_wrong_url_is_one_line_before_training(quick_config, tmp_path):
 
 # ---- the engine's pure parts ---------------------------------------------------------------------
 def test_prompts_spread_over_servers_in_whole_blocks_and_shards_hold_a_byte_limit():
-    from loorl.rollout.engines.vllm_server import max_loras, spread, transfer_backend
+    from loorl.rollout.engines.server_requests import spread
+    from loorl.rollout.engines.vllm_server import max_loras, transfer_backend
     from loorl.rollout.engines.weight_transfer import shards
 
     assert spread(5, 2) == [0, 0, 0, 1, 1] and spread(2, 3) == [0, 1] and spread(4, 1) == [0] * 4
@@ -108,9 +109,34 @@ def server_settings_of(block: dict):
     return ServerSettings.from_cfg(block, "rollout.server")
 
 
+def test_an_engine_never_closed_leaves_no_adapter_folder_behind(tmp_path):
+    """The LoRA adapters' folder (`rollout.server.transfer_folder`: /dev/shm) goes when the process
+    exits, also for an engine that was never closed (one alive at exit, one dropped before)."""
+    script = f"""
+import gc
+from loorl.rollout.engines.vllm_server import ServerEngine, ServerSettings
+from loorl.types import SamplingConfig
+
+def engine():
+    return ServerEngine(SamplingConfig(max_new_tokens=4), eos_token_ids=[0], pad_token_id=0,
+                        settings=ServerSettings(transfer_folder={str(tmp_path)!r}), model_path="unused",
+                        tokenizer=None)
+
+kept, dropped = engine(), engine()
+print(kept.adapters.folder(), dropped.adapters.folder())
+del dropped
+gc.collect()
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    made = done.stdout.split()
+    assert len(made) == 2 and all(Path(m).parent == tmp_path and "loorl-adapters-" in m for m in made)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_sample_counts_as_drawn_by_the_oldest_version_among_its_tokens():
     """vLLM's answer for one sample: ids, per-token log-probs and weight-version spans over its tokens."""
-    from loorl.rollout.engines.vllm_server import completion_of
+    from loorl.rollout.engines.server_requests import completion_of
     from loorl.types import Completion
 
     choice = {
@@ -183,7 +209,7 @@ def test_lora_adapters_reach_the_server_unmerged_and_only_they_after_the_first_v
     engine, policy = setup[-1].engine, setup[3].policy
     adapter = sum(p.numel() * p.element_size() for n, p in policy.named_parameters() if ".lora_" in n)
     assert engine.update_bytes == adapter  # version 1: the adapter alone
-    assert engine.adapters == {1: "loorl-v1"}  # max_staleness=0: version 0's unloaded
+    assert engine.adapters.loaded == {1: "loorl-v1"}  # max_staleness=0: version 0's unloaded
 
 
 @pytest.mark.slow
@@ -192,7 +218,7 @@ def test_an_update_with_pause_keep_lets_requests_in_flight_go_on_with_the_new_we
     new weights; vLLM reports both versions' spans and the sample counts as drawn by the older one."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from loorl.rollout.engines.vllm_server import completion_of
+    from loorl.rollout.engines.server_requests import completion_of
 
     cfg, task, tok, module, dm = _setup(quick_config, server, "rollout.server.pause=keep")
     engine = dm.engine
@@ -201,7 +227,7 @@ def test_an_update_with_pause_keep_lets_requests_in_flight_go_on_with_the_new_we
     prompt = token_ids_of(tok, task.eval_prompts()[:1])[0]
     body = {"token_ids": prompt, "model": engine.served_name, "sampling_params": params}
     with ThreadPoolExecutor(1) as pool:
-        answer = pool.submit(engine._request, server, body)
+        answer = pool.submit(engine.servers.generate, server, body)
         time.sleep(0.3)
         with torch.no_grad():
             for p in module.policy.parameters():

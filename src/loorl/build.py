@@ -11,20 +11,20 @@ loggers and callbacks stay with the command that runs them (`loorl.cli`).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from loorl.config import Settings, checked_toolset, load_settings, sampler_placement_of
+from loorl.config import Settings, checked_toolset, engine_choice, load_settings, sampler_placement_of
 from loorl.errors import ConfigError
 from loorl.models.load import load_tokenizer
 from loorl.models.sources import model_identity, resolve_model_path
 from loorl.rewards import build_composer
 from loorl.rollout.datamodule import RolloutDataModule
-from loorl.rollout.engines.factory import build_engine, engine_class
-from loorl.rollout.engines.sampler_process import ProcessEngine
+from loorl.rollout.engines.factory import build_engine
+from loorl.rollout.engines.wrappers.process_engine import ProcessEngine
 from loorl.tasks.base import Task
 from loorl.training.checkpoints import run_identity
 from loorl.training.module import PolicyGradientModule
@@ -47,8 +47,12 @@ class RunParts:
 
 
 def as_settings(cfg_or_settings: Settings | DictConfig) -> Settings:
-    """Settings as they are, or loaded (unchecked: `loorl.config.check_config` checks) from a config."""
-    return cfg_or_settings if isinstance(cfg_or_settings, Settings) else load_settings(cfg_or_settings)
+    """Settings as they are, or loaded (unchecked: `loorl.config.check_config` checks) from a config,
+    with the engine `rollout` names chosen once (`engine_choice`)."""
+    if isinstance(cfg_or_settings, Settings):
+        return cfg_or_settings
+    s = load_settings(cfg_or_settings)
+    return replace(s, engine=engine_choice(s))
 
 
 def instantiate_unwrapped(node):
@@ -108,6 +112,7 @@ def build_rollout_engine(s: Settings, tokenizer, model_path: str):
         cuda=s.on_cuda,
         completion_tokens=s.completion_tokens,
         model=s.model,
+        choice=engine_choice(s),
     )
 
 
@@ -142,7 +147,7 @@ def build_datamodule(
 
 def tool_engine(engine, s: Settings, tokenizer):
     """The run's engine wrapped to generate in turns with the tools of `tools.available`."""
-    from loorl.rollout.multi_turn import ToolEngine
+    from loorl.rollout.engines.wrappers.tool_engine import ToolEngine
     from loorl.tools.toolset import insertion
 
     toolset = checked_toolset(s, type(engine), tokenizer)
@@ -171,9 +176,7 @@ def build_module(cfg_or_settings, model_path: str) -> PolicyGradientModule:
         estimator=s.estimator,
         sampling=s.rollout.sampling,
         seed=s.run.seed,
-        sampler_logprobs_match_trainer=engine_class(s.rollout, cuda=s.on_cuda)[0].logprobs_match_trainer(
-            s.model.dtype
-        ),
+        sampler_logprobs_match_trainer=engine_choice(s).cls.logprobs_match_trainer(s.model.dtype),
         identity=identity(s),
     )
 

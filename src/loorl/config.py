@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +16,7 @@ from loorl.errors import ConfigError
 from loorl.models.lora import check_lora
 from loorl.models.sources import check_model_reachable, pretrained_path, tokenizer_at_hand
 from loorl.parallel.distributed import check_world_divides
-from loorl.rollout.engines.base import EngineContext
-from loorl.rollout.engines.factory import engine_class
+from loorl.rollout.engines.factory import EngineChoice, choose_engine, engine_class
 from loorl.settings import (
     EnvironmentSettings,
     EstimatorSettings,
@@ -84,6 +83,8 @@ class Settings:
     accelerator: str = "auto"  # trainer.accelerator: cpu | gpu | auto (`loorl.util.hardware.uses_cuda`)
     tools: ToolsSettings = ToolsSettings()  # multi-turn rollouts with tools; max_turns 0: none
     environment: EnvironmentSettings = EnvironmentSettings()  # TRL's environment_factory contract
+    # the rollout engine `check_config` chose (class, reason, its parsed settings); None: unchecked
+    engine: EngineChoice | None = None
 
     @property
     def on_cuda(self) -> bool:
@@ -161,10 +162,10 @@ def check_config(cfg: DictConfig) -> Settings:
     check_model_reachable(s.model)
     check_lora(s.model)  # peft installed; the targets from the model's config alone (meta device)
     check_parallel(cfg, s)
-    engine, _ = engine_class(s.rollout, cuda=s.on_cuda)  # the engine checks its own settings
     context = {"model_dtype": s.model.dtype, "model": s.model, "model_path": pretrained_path(s.model)}
     context |= {"seed": s.run.seed, "share_prompt": s.rl.share_prompt, "parallel": s.strategy}
-    engine.check(EngineContext(s.rollout, **context))
+    s = replace(s, engine=choose_engine(s.rollout, cuda=s.on_cuda, **context))  # it checks its settings
+    engine = s.engine.cls
     if s.environment.chosen and not s.tools.max_turns:
         raise ConfigError(
             f"{s.environment.described} needs tools.max_turns > 0: its methods are tools "
@@ -181,7 +182,7 @@ def checked_toolset(s: Settings, engine: type, tokenizer=None):
     that import, a budget of at least one turn, and (given the tokenizer) closing tags the tokenizer
     can end a turn on. `check_tools` calls it before any model loads, `build.tool_engine` when the
     engine is built (where the tokenizer of a hub model is first at hand)."""
-    from loorl.rollout.multi_turn import check_engine
+    from loorl.rollout.engines.wrappers.tool_engine import check_engine
     from loorl.tools.toolset import build_toolset, check_tags
 
     check_engine(engine, engine.name)
@@ -206,14 +207,19 @@ def check_tools(s: Settings, engine: type) -> None:
     checked_toolset(s, engine, tokenizer_at_hand(s.model))
 
 
+def engine_choice(s: Settings) -> EngineChoice:
+    """The run's rollout engine as `check_config` chose it; for settings loaded unchecked
+    (`load_settings`: scripts, tests), the class `rollout` names, unchecked, chosen now."""
+    return s.engine if s.engine is not None else EngineChoice(*engine_class(s.rollout, cuda=s.on_cuda))
+
+
 def sampler_placement_of(s: Settings):
     """Where the run's one-step-off sampler runs (`rollout.devices`): a `Placement`, or None (in the
     training process)."""
     from loorl.parallel.launch import cpu_set
     from loorl.rollout.engines.sampler_process import sampler_placement
 
-    cls, _ = engine_class(s.rollout, cuda=s.on_cuda)
-    if cls.samples_apart:  # it samples outside the training process already (vLLM servers)
+    if engine_choice(s).cls.samples_apart:  # it samples outside the training process already (vLLM servers)
         return None
     several = s.strategy != "auto"  # ddp: one sampler per rank, placed beside it
     return sampler_placement(s.rollout.devices, max_staleness=s.rollout.max_staleness, cuda=s.on_cuda,

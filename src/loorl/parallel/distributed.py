@@ -20,6 +20,12 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def barrier() -> None:
+    """Every rank waits until all have reached it; nothing in one process."""
+    if is_distributed():
+        dist.barrier()
+
+
 def rank_and_world() -> tuple[int, int]:
     return (dist.get_rank(), dist.get_world_size()) if is_distributed() else (0, 1)
 

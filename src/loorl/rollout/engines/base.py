@@ -44,6 +44,7 @@ class EngineContext:
     parallel: str = "auto"  # the training strategy: auto (one process) | ddp | fsdp
     cuda: bool | None = None  # whether the run trains on CUDA (`Settings.on_cuda`); None: a device exists
     completion_tokens: int | None = None  # a sample's budget over all its turns (tools on); None: one turn
+    settings: Any = None  # the engine's own settings as its `check` returned them (factory.EngineChoice)
 
     @property
     def on_cuda(self) -> bool:

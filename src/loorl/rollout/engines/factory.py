@@ -1,9 +1,15 @@
 """Which engine class a run uses, and building it: `rollout._target_` (any RolloutEngine subclass) or
-the built-in that `rollout.engine` names (hf | vllm | vllm_server | auto)."""
+the built-in that `rollout.engine` names (hf | vllm | vllm_server | auto).
+
+The choice is made once, by `loorl.config.check_config` (`choose_engine`: the class, why, and the
+settings its `check` parsed), and read by everything after it: the build, the sampler placement and
+`build_engine`, which logs it."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Any
 
 from loorl.errors import ConfigError
 from loorl.rollout.engines.base import EngineContext, RolloutEngine
@@ -50,6 +56,25 @@ def engine_class(rollout: RolloutSettings, *, cuda: bool | None = None) -> tuple
     return import_object(BUILT_IN_ENGINES[name], "rollout.engine"), reason
 
 
+@dataclass(frozen=True)
+class EngineChoice:
+    """The run's engine: its class, why it was chosen (logged once, when it is built), and its own
+    settings as its `check` parsed them (`ServerEngine`: a `ServerSettings`; None for an engine that
+    returns none), handed to its `create` through `EngineContext.settings`."""
+
+    cls: type[RolloutEngine]
+    reason: str
+    settings: Any = None
+
+
+def choose_engine(rollout: RolloutSettings, *, cuda: bool | None = None, **context) -> EngineChoice:
+    """The engine class of the run (`engine_class`; `cuda`: as `resolve_engine`) and its settings,
+    checked and parsed by its `check` before any model loads (`context`: the `EngineContext` fields it
+    is given)."""
+    cls, reason = engine_class(rollout, cuda=cuda)
+    return EngineChoice(cls, reason, cls.check(EngineContext(rollout, **context)))
+
+
 def build_engine(
     rollout: RolloutSettings,
     tokenizer,
@@ -61,13 +86,17 @@ def build_engine(
     cuda: bool | None = None,
     completion_tokens: int | None = None,
     model=None,
+    choice: EngineChoice | None = None,
 ) -> RolloutEngine:
     """The engine, unbuilt where building is costly (vLLM starts at the first sync). `cuda`: whether
     the run trains on CUDA (None: whether a device is available). `completion_tokens`: a sample's
-    budget over all its turns, where tools are on (None: `rollout.max_new_tokens`)."""
-    cls, reason = engine_class(rollout, cuda=cuda)
-    log.info("rollout engine: %s (%s)", cls.name, reason)
+    budget over all its turns, where tools are on (None: `rollout.max_new_tokens`). `choice`: the
+    engine `check_config` chose (None: chosen here, from `rollout`, unchecked)."""
+    if choice is None:
+        choice = EngineChoice(*engine_class(rollout, cuda=cuda))
+    log.info("rollout engine: %s (%s)", choice.cls.name, choice.reason)
     ctx = EngineContext(rollout, model_dtype=model_dtype, model_path=model_path, tokenizer=tokenizer,
                         seed=seed, share_prompt=share_prompt, cuda=cuda,
-                        completion_tokens=completion_tokens, model=model)  # fmt: skip
-    return cls.create(ctx)
+                        completion_tokens=completion_tokens, model=model,
+                        settings=choice.settings)  # fmt: skip
+    return choice.cls.create(ctx)

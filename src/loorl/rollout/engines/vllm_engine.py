@@ -19,8 +19,9 @@ untested on GPU: the project has not had a GPU with vLLM to run it on.
 - The engine is built with `generation_config="vllm"`: nothing from the model's
   `generation_config.json` becomes a default, and every `SamplingParams` field that shapes the
   distribution is set explicitly.
-- Under DDP/FSDP on CUDA each rank builds its own engine on its own GPU (`Colocation`,
-  `llm_arguments`, `launcher_environment`); in one process, and on CPU, vLLM's in-process executor.
+- Under DDP/FSDP on CUDA each rank builds its own engine on its own GPU (`vllm_colocation`:
+  `Colocation`, `llm_arguments`, `launcher_environment`); in one process, and on CPU, vLLM's
+  in-process executor.
 - It generates outside the trainer's autocast (`generates_in_trainer_precision` is False): it
   computes in its own `dtype`.
 """
@@ -30,16 +31,20 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-from contextlib import contextmanager
-from dataclasses import dataclass as plain_dataclass
 from typing import Literal
 
 import numpy as np
 from pydantic.dataclasses import dataclass
 
 from loorl.errors import ConfigError
-from loorl.parallel.distributed import rank_and_world
 from loorl.rollout.engines.base import EngineContext, PolicyWeights, RolloutEngine
+from loorl.rollout.engines.vllm_colocation import (
+    Colocation,
+    colocation,
+    launcher_environment,
+    llm_arguments,
+    scoped_environment,
+)
 from loorl.settings import SCHEMA, Dtype, Fraction, PositiveFloat, PositiveInt, RolloutSettings, Section
 from loorl.types import Completion, SamplingConfig
 from loorl.util.hardware import cuda_available
@@ -84,109 +89,6 @@ def check_vllm_version(installed: str | None) -> None:
             f"rollout.engine=vllm needs vllm>={VLLM_MIN_VERSION} (the first whose reload_weights takes the "
             f"weights loorl streams at every sync), but vllm {installed} is installed: {VLLM_INSTALL_HINT}"
         )
-
-
-@plain_dataclass(frozen=True)
-class Colocation:
-    """Where this rank's engine sits under DDP/FSDP on CUDA: rank `rank` of `world`, on the trainer's
-    own CUDA device `device` (an index as `torch.cuda.current_device()` gives it)."""
-
-    rank: int
-    world: int
-    device: int
-
-
-def colocation() -> Colocation | None:
-    """This process's placement, read when the engine is built (at the first sync, when the trainer's
-    process group exists). None in one process and without CUDA: vLLM's in-process executor, as on CPU,
-    where each of several ranks' engines runs on the CPU anyway. The CUDA case is untested on GPU."""
-    rank, world = rank_and_world()
-    if world == 1 or not cuda_available():
-        return None
-    import torch
-
-    return Colocation(rank=rank, world=world, device=torch.cuda.current_device())
-
-
-def rank_seed(seed: int, rank: int) -> int:
-    """The engine seed of rank `rank`: a pure function of the run's seed and the rank, so each rank's
-    engine seeds its own random state (TRL's colocate mode passes a seed per rank too)."""
-    return int(np.random.default_rng([seed, rank]).integers(2**31 - 1))
-
-
-def llm_arguments(
-    *,
-    model_path: str,
-    dtype: str,
-    seed: int,
-    max_model_len: int,
-    gpu_memory_utilization: float,
-    kv_cache_memory_gb: float | None,
-    tensor_parallel_size: int,
-    enforce_eager: bool,
-    sleep_level: int | None,
-    chunked_prefill: bool,
-    colocation: Colocation | None = None,
-) -> dict:
-    """The keyword arguments of vLLM's `LLM` for this process.
-
-    With `colocation` (N ranks on CUDA) the engine runs under vLLM's external launcher
-    (`distributed_executor_backend="external_launcher"`, as TRL's colocate mode): vLLM then places its
-    worker on the device `launcher_environment` names in LOCAL_RANK instead of GPU 0, and reuses the
-    trainer's process group (its own groups are built over it, every rank building at the same sync);
-    each rank gets its own seed. Untested on GPU. Without it, the in-process executor's arguments."""
-    args = {
-        "model": model_path,
-        "dtype": dtype,
-        "seed": seed,
-        "logprobs_mode": "processed_logprobs",  # the distribution it sampled from
-        "generation_config": "vllm",  # no sampling defaults from the model's generation_config.json
-        "enable_sleep_mode": sleep_level is not None,
-        "max_model_len": max_model_len,
-        "gpu_memory_utilization": gpu_memory_utilization,
-        "tensor_parallel_size": tensor_parallel_size,
-        "enforce_eager": enforce_eager,
-    }
-    if kv_cache_memory_gb is not None:
-        args["kv_cache_memory_bytes"] = int(kv_cache_memory_gb * 2**30)
-    if not chunked_prefill:  # whole prompts per step: the budget must hold the longest one
-        args |= {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 8192)}
-    if colocation is not None:
-        args |= {
-            "distributed_executor_backend": "external_launcher",
-            "seed": rank_seed(seed, colocation.rank),
-        }
-    return args
-
-
-def launcher_environment(colocation: Colocation | None) -> dict[str, str]:
-    """The variables vLLM's external launcher reads while `LLM` is built: RANK and LOCAL_RANK (the
-    worker's device index: the trainer's own device, also under `trainer.devices=[2,3]`), and
-    WORLD_SIZE as torchrun sets it. MASTER_ADDR/MASTER_PORT are not needed: vLLM reads them only to
-    create a process group when none exists, and the trainer's exists. {} without colocation."""
-    if colocation is None:
-        return {}
-    return {
-        "RANK": str(colocation.rank),
-        "LOCAL_RANK": str(colocation.device),
-        "WORLD_SIZE": str(colocation.world),
-    }
-
-
-@contextmanager
-def _environment(variables: dict[str, str]):
-    """`variables` set in os.environ for the block only: Lightning reads LOCAL_RANK as the trainer's
-    local rank, which the device index need not equal."""
-    saved = {key: os.environ.get(key) for key in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 @dataclass(frozen=True, config=SCHEMA)
@@ -253,7 +155,7 @@ class VLLMEngine(RolloutEngine):
             dtype=v.dtype or ctx.model_dtype,
             seed=ctx.seed,
             max_model_len=v.max_model_len
-            or _context_length(ctx.rollout, ctx.model_path, ctx.completion_tokens),
+            or context_length(ctx.rollout, ctx.model_path, ctx.completion_tokens),
             gpu_memory_utilization=v.gpu_memory_utilization,
             kv_cache_memory_gb=v.kv_cache_memory_gb if v.kv_cache_memory_gb or gpu else 1.0,
             tensor_parallel_size=v.tensor_parallel_size,
@@ -310,7 +212,7 @@ class VLLMEngine(RolloutEngine):
         from vllm import LLM
 
         placement = colocation()  # None in one process and on CPU; N ranks on CUDA: untested on GPU
-        with _environment(launcher_environment(placement)):
+        with scoped_environment(launcher_environment(placement)):
             self.llm = LLM(**self.arguments(placement))
 
     def sync(self, weights: PolicyWeights, version: int | None = None, *, force: bool = False) -> None:
@@ -423,7 +325,7 @@ def model_head_dim(model) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _context_length(rollout: RolloutSettings, model_path: str, completion_tokens: int | None = None) -> int:
+def context_length(rollout: RolloutSettings, model_path: str, completion_tokens: int | None = None) -> int:
     """Prompt + completion limit (`completion_tokens`: a sample's whole budget over its turns, tool
     results included, when tools are on), capped at the model's own maximum (vLLM refuses more)."""
     from transformers import AutoConfig
