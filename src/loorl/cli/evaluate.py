@@ -35,7 +35,8 @@ from loorl.models.sources import model_identity, model_label
 from loorl.rollout.engines.sync import EngineSync
 from loorl.settings import EvalSettings
 from loorl.training.callbacks import SampleLog
-from loorl.training.checkpoints import IDENTITY_KEY, lora_identity, read_checkpoint
+from loorl.training.checkpoints import read_checkpoint
+from loorl.training.run_identity import IDENTITY_KEY, lora_identity
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +156,7 @@ def own_evaluation(cfg: DictConfig, s, e, kind: str, policy: Path, output_dir: P
     from hydra.utils import instantiate
 
     from loorl.build import build_run, build_task
-    from loorl.cli.train import trainer_precision
+    from loorl.cli.trainer_parts import trainer_precision
 
     task = build_task(s)
     for name, line in task.run_facts().items():
