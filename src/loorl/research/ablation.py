@@ -162,7 +162,7 @@ def job_metrics(job: Job) -> dict[str, float]:
         "gen_tokens": float(tokens[-1]) if len(tokens) else float("nan"),
         "wall_seconds": float(s.get("wall_seconds", float("nan"))),
         "step_seconds": float(s.get("step_seconds", float("nan"))),
-        "peak_host_gb": float(s.get("peak_host_gb", float("nan"))),
+        "peak_host_gib": float(s.get("peak_host_gib", float("nan"))),
         "checkpoint_mb": checkpoint_bytes(job.path / "checkpoints" / "last.ckpt") / 1e6,
     }
 
@@ -222,7 +222,7 @@ COLUMNS = {  # metric -> (column title, format)
     "gen_tokens": ("gen. tokens", ",.0f"),
     "wall_seconds": ("wall (s)", ".0f"),
     "step_seconds": ("s/step", ".2f"),
-    "peak_host_gb": ("peak RSS (GB)", ".2f"),
+    "peak_host_gib": ("peak RSS (GiB)", ".2f"),
     "checkpoint_mb": ("checkpoint (MB)", ",.1f"),
 }
 
