@@ -13,7 +13,7 @@ when it is reused, median over `--sessions`.
 step (after validation's 80 resets), in one way: spins forever (hang), exits the process with status 3
 (exit), dereferences NULL (segfault) or allocates 4 GB and keeps it (memory). For each mode: the run's
 exit, the median step time of steps 2-7 (after the failure), the trainer's peak resident memory (the
-summary's `peak_host_gb`), and the failure's counts; a clean run of each mode beside them. Prints a
+summary's `peak_host_gib`), and the failure's counts; a clean run of each mode beside them. Prints a
 markdown table and writes it to `--out`.
 """
 
@@ -116,7 +116,7 @@ def run_once(mode: str, kind: str | None, cache: Path, out: Path) -> dict:
     steps = [v for s, v in history["perf/step_seconds"] if s >= 2]
     counts = {k.removeprefix("tools/"): sum(v for _, v in history.get(k, [])) for k in
               ("tools/env_reset_failures", "tools/env_workers_lost")}  # fmt: skip
-    row |= {"step_s": statistics.median(steps), "peak_gb": metrics["summary"]["peak_host_gb"], **counts,
+    row |= {"step_s": statistics.median(steps), "peak_gib": metrics["summary"]["peak_host_gib"], **counts,
             "what": "finished"}  # fmt: skip
     return row
 
@@ -124,11 +124,11 @@ def run_once(mode: str, kind: str | None, cache: Path, out: Path) -> dict:
 def bench_failures(cache: Path, out: Path) -> list[str]:
     results = [run_once(mode, kind, cache, out) for mode in MODES for kind in (None, *KINDS)]
     (out / "failures.json").write_text(json.dumps(results, indent=1))
-    rows = ["| isolation | failure (in reset, once) | the run | step after (s, median) | trainer peak (GB) | "
-            "reset failures | workers lost |", "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    rows = ["| isolation | failure (in reset, once) | the run | step after (s, median) | trainer peak (GiB) "
+            "| reset failures | workers lost |", "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for r in results:
         if r["what"] == "finished":
-            rows.append(f"| {r['mode']} | {r['kind']} | finished | {r['step_s']:.2f} | {r['peak_gb']:.2f} | "
+            rows.append(f"| {r['mode']} | {r['kind']} | finished | {r['step_s']:.2f} | {r['peak_gib']:.2f} | "
                         f"{r['env_reset_failures']:.0f} | {r['env_workers_lost']:.0f} |")  # fmt: skip
         else:
             rows.append(f"| {r['mode']} | {r['kind']} | {r['what']} | - | - | - | - |")

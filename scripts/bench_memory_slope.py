@@ -8,17 +8,17 @@ slope after warm-up; writes outputs/bench/memory_slope.md (and .json).
 
 The run is a fresh `python src/train.py` process (memory is a property of the whole process), with
 validation and the export off; its own outputs (summary.md, metrics) go to <out>/memory_slope_run.
-A step's peak is the largest `perf/<phase>_peak_host_gb` the step logged (the kernel's high-water
+A step's peak is the largest `perf/<phase>_peak_host_gib` the step logged (the kernel's high-water
 mark of the resident set, restarted at each phase boundary: `loorl.util.peak_memory`). After
 `--warmup` steps (the weights page in, AdamW's state appears, the allocator finds its working set)
 the script reports:
 
-- the least-squares slope of the step peaks, in GB per 100 steps;
+- the least-squares slope of the step peaks, in GiB per 100 steps;
 - the peaks' maximum in each of `--windows` equal windows: trimming freed memory every N steps
   (`trim_freed_memory_every`) makes a saw-tooth, whose windows' maxima stay level where the run
   does not climb.
 
-It exits 1 when the slope exceeds `--max-slope` GB per 100 steps (default 0.05, about 1% of
+It exits 1 when the slope exceeds `--max-slope` GiB per 100 steps (default 0.05, about 1% of
 SmolLM2's recipe per 100 steps), so a CI job or a bisect can use it.
 """
 
@@ -35,11 +35,11 @@ FIXED = ["val_every=100000", "export_policy=false", "+trainer.limit_val_batches=
 
 
 def step_peaks(history: dict[str, list[list[float]]]) -> dict[int, float]:
-    """Step -> the largest host peak any phase of that step logged (GB), from metrics.json's history
+    """Step -> the largest host peak any phase of that step logged (GiB), from metrics.json's history
     ({metric: [[step, value], ...]})."""
     peaks: dict[int, float] = {}
     for name, points in history.items():
-        if name.startswith("perf/") and name.endswith("_peak_host_gb"):
+        if name.startswith("perf/") and name.endswith("_peak_host_gib"):
             for step, value in points:
                 peaks[int(step)] = max(peaks.get(int(step), 0.0), float(value))
     return peaks
@@ -73,10 +73,10 @@ def summarise(peaks: dict[int, float], warmup: int, windows: int) -> dict:
         "steps": len(values),
         "first_step": steps[0],
         "last_step": steps[-1],
-        "slope_gb_per_100": slope_per_100(steps, values),
-        "window_max_gb": window_maxima(values, windows),
-        "peak_gb": max(values),
-        "warmup_peak_gb": max([peaks[s] for s in peaks if s < warmup], default=float("nan")),
+        "slope_gib_per_100": slope_per_100(steps, values),
+        "window_max_gib": window_maxima(values, windows),
+        "peak_gib": max(values),
+        "warmup_peak_gib": max([peaks[s] for s in peaks if s < warmup], default=float("nan")),
     }
 
 
@@ -90,7 +90,7 @@ def run(overrides: list[str], steps: int, out: Path) -> dict:
 
 def report(result: dict, overrides: list[str], max_slope: float, flat: bool) -> str:
     verdict = "flat" if flat else "CLIMBS"
-    maxima = " / ".join(f"{v:.2f}" for v in result["window_max_gb"])
+    maxima = " / ".join(f"{v:.2f}" for v in result["window_max_gib"])
     return "\n".join(
         [
             f"# Memory over a long run: {verdict}",
@@ -98,11 +98,11 @@ def report(result: dict, overrides: list[str], max_slope: float, flat: bool) -> 
             f"`python src/train.py {' '.join(overrides)}`, steps {result['first_step']}-{result['last_step']}"
             " (after warm-up)",
             "",
-            "| slope (GB / 100 steps) | window maxima (GB) | peak after warm-up (GB) | peak in warm-up (GB) "
-            "|",
+            "| slope (GiB / 100 steps) | window maxima (GiB) | peak after warm-up (GiB) "
+            "| peak in warm-up (GiB) |",
             "| --- | --- | --- | --- |",
-            f"| {result['slope_gb_per_100']:+.3f} (limit {max_slope}) | {maxima} | {result['peak_gb']:.2f} "
-            f"| {result['warmup_peak_gb']:.2f} |",
+            f"| {result['slope_gib_per_100']:+.3f} (limit {max_slope}) | {maxima} | {result['peak_gib']:.2f} "
+            f"| {result['warmup_peak_gib']:.2f} |",
         ]
     )
 
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=300, help="RL steps of the run")
     p.add_argument("--warmup", type=int, default=20, help="steps left out of the slope")
     p.add_argument("--windows", type=int, default=5, help="windows whose maxima are reported")
-    p.add_argument("--max-slope", type=float, default=0.05, help="GB per 100 steps above which it exits 1")
+    p.add_argument("--max-slope", type=float, default=0.05, help="GiB per 100 steps above which it exits 1")
     p.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench", help="where the report goes")
     p.add_argument("overrides", nargs="*", help="train.py overrides (after --)")
     args = p.parse_args(argv)
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--warmup {args.warmup} leaves no slope in --steps {args.steps}: lower --warmup")
     history = run(args.overrides, args.steps, args.out / "memory_slope_run")  # its summary.md stays there
     result = summarise(step_peaks(history), args.warmup, args.windows)
-    flat = result["slope_gb_per_100"] <= args.max_slope
+    flat = result["slope_gib_per_100"] <= args.max_slope
     text = report(result, args.overrides, args.max_slope, flat)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "memory_slope.md").write_text(text + "\n")

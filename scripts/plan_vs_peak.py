@@ -22,7 +22,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
-GB = 1e9  # the summary's unit (loorl.util.peak_memory)
 
 SMOLLM2 = ["experiment=smollm2_arithmetic", "rl.steps=2", "val_every=2"]
 SMOLLM2_LORA = ["experiment=smollm2_arithmetic_lora", "rl.steps=2", "val_every=2"]
@@ -93,7 +92,7 @@ def compare(name: str, overrides: list[str], run: Path) -> dict:
     plan = json.loads((run / "memory_plan.json").read_text())
     summary = json.loads((run / "metrics.json").read_text())["summary"]
     cuda = plan["device"] == "cuda"
-    measured = (summary["peak_cuda_gb"] if cuda else summary["peak_host_gb"]) * GB
+    measured = summary["peak_cuda_gib" if cuda else "peak_host_gib"] * GiB  # the summary's unit
     planned = plan["peak_bytes"] - (2 * GiB if cuda else 0)  # the allocator's peak has no context in it
     phase = "training" if plan["training_bytes"] >= plan["generating_bytes"] else "generating"
     largest = max(plan["terms"], key=lambda t: t[phase])

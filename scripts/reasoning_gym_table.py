@@ -44,8 +44,8 @@ def load_run(run: Path) -> dict:
             name = key.removeprefix("val/accuracy/")
             lv = levels.get(f"curriculum/level/{name}", [])
             datasets[name] = {"first": xs[0][1], "last": xs[-1][1], "level": lv[-1] if lv else math.nan}
-    phases = [v for k, v in summary.items() if k.endswith("_peak_host_gb") and k != "peak_host_gb"]
-    return {"datasets": datasets, "wall": summary["wall_seconds"], "peak": summary["peak_host_gb"],
+    phases = [v for k, v in summary.items() if k.endswith("_peak_host_gib") and k != "peak_host_gib"]
+    return {"datasets": datasets, "wall": summary["wall_seconds"], "peak": summary["peak_host_gib"],
             "train_peak": max(phases, default=math.nan),
             "first": history["val/accuracy"][0][1], "last": history["val/accuracy"][-1][1]}  # fmt: skip
 
@@ -64,7 +64,7 @@ def markdown(runs: dict[str, dict]) -> str:
     for label, r in runs.items():
         cells = [cell(r["datasets"][n]) for n in names]
         accuracy = f"{100 * r['first']:.1f}% -> {100 * r['last']:.1f}%"
-        memory = f"{r['peak']:.2f} GB | {r['train_peak']:.2f} GB"
+        memory = f"{r['peak']:.2f} GiB | {r['train_peak']:.2f} GiB"
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {accuracy} "
                      f"| {r['wall'] / 60:.1f} min | {memory} |")  # fmt: skip
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
@@ -73,8 +73,8 @@ def markdown(runs: dict[str, dict]) -> str:
              for n in names]  # fmt: skip
     lines.append("| mean | " + " | ".join(cells) + f" | {100 * mean([r['first'] for r in rs]):.1f}% -> "
                  f"{100 * mean([r['last'] for r in rs]):.1f}% | {mean([r['wall'] for r in rs]) / 60:.1f} min "
-                 f"| {max(r['peak'] for r in rs):.2f} GB (max) "
-                 f"| {max(r['train_peak'] for r in rs):.2f} GB (max) |")  # fmt: skip
+                 f"| {max(r['peak'] for r in rs):.2f} GiB (max) "
+                 f"| {max(r['train_peak'] for r in rs):.2f} GiB (max) |")  # fmt: skip
     return "\n".join(lines)
 
 

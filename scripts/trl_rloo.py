@@ -31,7 +31,7 @@ from hydra.utils import instantiate  # noqa: E402
 from loorl.config import CONF_DIR, load_settings  # noqa: E402
 from loorl.models.load import load_tokenizer  # noqa: E402
 from loorl.models.sources import resolve_model_path  # noqa: E402
-from loorl.training.module import wsd_arguments  # noqa: E402
+from loorl.training.lr_schedule import wsd_arguments  # noqa: E402
 from loorl.util.onednn import cap_onednn_primitive_cache  # noqa: E402
 
 

@@ -183,12 +183,12 @@ def test_the_table_is_the_mean_and_interval_of_the_runs(sweep):
         assert final["mean"] == pytest.approx(np.mean(finals))
         assert row["metrics"]["gen_tokens"]["mean"] > 0 and row["metrics"]["wall_seconds"]["mean"] > 0
         assert 0 < row["metrics"]["step_seconds"]["mean"] < row["metrics"]["wall_seconds"]["mean"]
-        assert row["metrics"]["peak_host_gb"]["mean"] > 0.2  # torch alone is resident at a few hundred MB
+        assert row["metrics"]["peak_host_gib"]["mean"] > 0.2  # torch alone is resident at a few hundred MB
         sizes = [checkpoint_bytes(f / "checkpoints" / "last.ckpt") / 1e6 for f in folders]
         assert sorted(row["metrics"]["checkpoint_mb"]["values"]) == pytest.approx(sorted(sizes), nan_ok=True)
     table = (out / "table.md").read_text()
     assert "| setting | seeds | first acc. (%) | final acc. (%) |" in table and "±" in table
-    assert "| s/step | peak RSS (GB) | checkpoint (MB) |" in table
+    assert "| s/step | peak RSS (GiB) | checkpoint (MB) |" in table
     assert "| setting | steps to 70% |" in table and all(
         r["reach"]["rounds"]["reached"] == 0 for r in rows.values()
     )

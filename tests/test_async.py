@@ -76,7 +76,7 @@ def test_a_stale_rollout_is_trained_with_the_hand_computed_off_policy_gradient(q
         g = -(1 / num_seqs) sum_i A_i sum_t active_it r_it grad log pi_it
     computed here by hand from the policy's log-probs; the synchronous path (ratio 1) gives another."""
     module, batch = _module_and_stale_batch(quick_cfg, *packing)
-    prepared, _ = module.prepare(batch, stale=True)
+    prepared, _ = module.with_advantages(batch, stale=True)
     assert torch.equal(prepared.old_logprobs, batch.sampler_logprobs)  # the behaviour policy's log-probs
 
     got = _gradient(module, prepared)
@@ -97,7 +97,7 @@ def test_a_stale_rollout_is_trained_with_the_hand_computed_off_policy_gradient(q
         torch.testing.assert_close(got[k], expected[k], rtol=1e-4, atol=1e-6)
     assert float(((ratio - 1).abs() * mask).max()) > 0.01  # the lag is real: the ratios are not 1
 
-    on_policy, _ = module.prepare(batch, stale=False)
+    on_policy, _ = module.with_advantages(batch, stale=False)
     assert on_policy.old_logprobs is None  # the synchronous loss (REINFORCE, ratio 1)
     sync = _gradient(module, on_policy)
     assert max(float((sync[k] - got[k]).abs().max()) for k in got) > 1e-4

@@ -523,7 +523,7 @@ def test_every_environment_config_composes_and_checks(default_cfg, monkeypatch):
             ).environment.isolation
             == isolation
         )
-    from loorl.training.checkpoints import environment_identity
+    from loorl.training.run_identity import environment_identity
 
     assert environment_identity(check_config(default_cfg()).environment) is None  # as in older checkpoints
     assert (

@@ -144,7 +144,7 @@ def test_the_worked_example_learns_in_process_mode_with_failing_calls_and_keeps_
         after = statistics.median(v for s, v in history[key] if s >= 2)
         before = statistics.median(v for s, v in clean["history"][key] if s >= 2)
         assert after >= before / 1.5, (key, after, before)
-    assert failing["summary"]["peak_host_gb"] <= 1.1 * clean["summary"]["peak_host_gb"]
+    assert failing["summary"]["peak_host_gib"] <= 1.1 * clean["summary"]["peak_host_gib"]
 
 
 @pytest.mark.slow

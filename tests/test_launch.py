@@ -21,7 +21,7 @@ from loorl.parallel.launch import (
     slurm_tasks_on_this_node,
 )
 from loorl.resolvers import on_rank_zero, per_rank
-from loorl.training.checkpoints import GracefulStop, slurm_environment
+from loorl.training.graceful_stop import GracefulStop, slurm_environment
 from loorl.training.rank_checks import RankFacts, agreement_problem, fitted_threads
 from loorl.util.build_once import build_once
 

@@ -201,7 +201,7 @@ def test_the_tools_are_part_of_the_runs_identity(make_config):
     """A resumed run whose tools differ from its checkpoint's is told so (`run_identity`'s "run" part);
     without tools the entry is None, as in checkpoints written before tools existed."""
     from loorl.config import load_settings
-    from loorl.training.checkpoints import run_identity
+    from loorl.training.run_identity import run_identity
 
     def identity(*overrides):
         settings = load_settings(make_config(*overrides))

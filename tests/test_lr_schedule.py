@@ -10,7 +10,7 @@ import torch
 
 from loorl.errors import ConfigError
 from loorl.settings import LRScheduleSettings
-from loorl.training.module import lr_scheduler
+from loorl.training.lr_schedule import lr_scheduler
 
 
 def _rates(schedule: LRScheduleSettings, total: int, lr: float = 1.0) -> list[float]:

@@ -14,11 +14,12 @@ import pytest
 import torch
 
 from fixtures import child_env
-from loorl.training.callbacks import MEMORY_PHASES, phase_memory_table
-from loorl.util.peak_memory import peak_memory_gb
+from loorl.training.run_report import MEMORY_PHASES, phase_memory_table
+from loorl.util.peak_memory import peak_memory_gib
 from loorl.util.profiling import cuda_in_use
 
 ROOT = Path(__file__).resolve().parents[1]
+GB = 1e9 / 2**30  # one GB in GiB, the unit of every figure read here: the thresholds below are in GB
 LINUX_ONLY = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="the reset is Linux's /proc/self/clear_refs"
 )
@@ -59,17 +60,17 @@ def test_the_peak_follows_an_allocation_and_restarts_at_a_reset():
     assert m["after_reset"] <= m["resident"] + 16e6
 
 
-def test_peak_memory_gb_reports_cuda_only_where_it_runs():
-    memory = peak_memory_gb()
-    assert memory["peak_host_gb"] > 0.05
-    assert np.isnan(memory["peak_cuda_gb"]) != cuda_in_use()
+def test_peak_memory_gib_reports_cuda_only_where_it_runs():
+    memory = peak_memory_gib()
+    assert memory["peak_host_gib"] > 0.05 * GB
+    assert np.isnan(memory["peak_cuda_gib"]) != cuda_in_use()
 
 
 # a phase that allocates 400 MB between two that do not; then the job's peak and a new job's
 PHASES_PROBE = """
 import json
 import torch
-from loorl.util.peak_memory import host_peak_bytes, pop_phase_peaks_gb, reset_peak_memory
+from loorl.util.peak_memory import host_peak_bytes, pop_phase_peaks_gib, reset_peak_memory
 from loorl.util.profiling import PhaseClock
 
 reset_peak_memory()
@@ -83,9 +84,9 @@ with clock.phase("optimizer"):
     with clock.phase("entropy"):  # nested: the outer phase gets the inner one's peak too
         block = torch.ones(25_000_000, dtype=torch.float64)  # 200 MB
         del block
-out = {"phases": pop_phase_peaks_gb(), "again": pop_phase_peaks_gb(), "job": host_peak_bytes() / 1e9}
+out = {"phases": pop_phase_peaks_gib(), "again": pop_phase_peaks_gib(), "job": host_peak_bytes() / 2**30}
 reset_peak_memory()
-out["next_job"] = host_peak_bytes() / 1e9
+out["next_job"] = host_peak_bytes() / 2**30
 print(json.dumps(out))
 """
 
@@ -94,15 +95,18 @@ print(json.dumps(out))
 def test_each_phase_reports_its_own_peak_and_the_job_keeps_the_largest():
     m = _fresh(PHASES_PROBE)
     p = m["phases"]
-    assert set(p) == {f"perf/{n}_{w}_host_gb" for n in ("gen", "backward", "optimizer", "entropy")
+    assert set(p) == {f"perf/{n}_{w}_host_gib" for n in ("gen", "backward", "optimizer", "entropy")
                       for w in ("peak", "rise")}  # fmt: skip
-    assert p["perf/backward_peak_host_gb"] - p["perf/gen_peak_host_gb"] > 0.35
-    assert p["perf/backward_rise_host_gb"] > 0.35 and p["perf/gen_rise_host_gb"] < 0.02
-    assert 0.15 < p["perf/entropy_rise_host_gb"] < 0.3 and p["perf/optimizer_rise_host_gb"] > 0.15
+    assert p["perf/backward_peak_host_gib"] - p["perf/gen_peak_host_gib"] > 0.35 * GB
+    assert p["perf/backward_rise_host_gib"] > 0.35 * GB and p["perf/gen_rise_host_gib"] < 0.02 * GB
+    assert (
+        0.15 * GB < p["perf/entropy_rise_host_gib"] < 0.3 * GB
+        and p["perf/optimizer_rise_host_gib"] > 0.15 * GB
+    )
     assert m["again"] == {}  # a pop forgets
     # the phase resets lose nothing of the job's peak; a new job starts from what is resident
-    assert m["job"] == pytest.approx(p["perf/backward_peak_host_gb"], abs=0.02)
-    assert m["next_job"] < m["job"] - 0.3
+    assert m["job"] == pytest.approx(p["perf/backward_peak_host_gib"], abs=0.02 * GB)
+    assert m["next_job"] < m["job"] - 0.3 * GB
 
 
 class FakeCudaAllocator:
@@ -143,13 +147,13 @@ def test_cuda_peaks_by_phase_and_the_jobs_peak_across_the_restarts(monkeypatch):
     with peak_memory.phase_peak("optimizer"):
         gpu.alloc(50)
         gpu.free(50)
-    p = peak_memory.pop_phase_peaks_gb()
-    gb = peak_memory.GB
-    assert p["perf/forward_peak_cuda_gb"] * gb == 600 and p["perf/forward_rise_cuda_gb"] * gb == 500
-    assert p["perf/backward_peak_cuda_gb"] * gb == 900 and p["perf/backward_rise_cuda_gb"] * gb == 300
-    assert p["perf/optimizer_peak_cuda_gb"] * gb == 150 and p["perf/optimizer_rise_cuda_gb"] * gb == 50
+    p = peak_memory.pop_phase_peaks_gib()
+    gib = peak_memory.GiB
+    assert p["perf/forward_peak_cuda_gib"] * gib == 600 and p["perf/forward_rise_cuda_gib"] * gib == 500
+    assert p["perf/backward_peak_cuda_gib"] * gib == 900 and p["perf/backward_rise_cuda_gib"] * gib == 300
+    assert p["perf/optimizer_peak_cuda_gib"] * gib == 150 and p["perf/optimizer_rise_cuda_gib"] * gib == 50
     assert peak_memory.cuda_peak_bytes() == 900  # the backward's, after two restarts since
-    assert peak_memory.peak_memory_gb()["peak_cuda_gb"] * gb == 900
+    assert peak_memory.peak_memory_gib()["peak_cuda_gib"] * gib == 900
     peak_memory.reset_peak_memory()  # a new job
     assert peak_memory.cuda_peak_bytes() == 100
 
@@ -157,14 +161,14 @@ def test_cuda_peaks_by_phase_and_the_jobs_peak_across_the_restarts(monkeypatch):
 def test_the_summary_table_shows_the_measured_phases_and_cuda_only_where_used():
     nan = float("nan")
     keys = ("peak_host", "rise_host", "peak_cuda", "rise_cuda")
-    s = {f"{p}_{k}_gb": nan for p in MEMORY_PHASES for k in keys}
+    s = {f"{p}_{k}_gib": nan for p in MEMORY_PHASES for k in keys}
     assert phase_memory_table(s) == []  # nothing measured (e.g. a run without steps): no table
-    s |= {"gen_peak_host_gb": 1.5, "gen_rise_host_gb": 0.25, "backward_peak_host_gb": 2.0,
-          "backward_rise_host_gb": 0.5}  # fmt: skip
+    s |= {"gen_peak_host_gib": 1.5, "gen_rise_host_gib": 0.25, "backward_peak_host_gib": 2.0,
+          "backward_rise_host_gib": 0.5}  # fmt: skip
     lines = phase_memory_table(s)
     assert lines[-3:] == ["| --- | --- | --- |", "| gen | 1.500 | 0.250 |", "| backward | 2.000 | 0.500 |"]
-    s |= {"gen_peak_cuda_gb": 3.0, "gen_rise_cuda_gb": 1.0, "backward_peak_cuda_gb": 4.0,
-          "backward_rise_cuda_gb": 2.0}  # fmt: skip
+    s |= {"gen_peak_cuda_gib": 3.0, "gen_rise_cuda_gib": 1.0, "backward_peak_cuda_gib": 4.0,
+          "backward_rise_cuda_gib": 2.0}  # fmt: skip
     assert phase_memory_table(s)[-1] == "| backward | 2.000 | 0.500 | 4.000 | 2.000 |"
     assert "CUDA peak" in phase_memory_table(s)[-4]
 
@@ -193,8 +197,8 @@ def sweep(model_cache, tmp_path_factory) -> Path:
 @LINUX_ONLY
 def test_a_multiruns_later_jobs_peak_where_the_first_did(sweep):
     summaries = [json.loads((sweep / str(i) / "metrics.json").read_text())["summary"] for i in range(4)]
-    peaks = [s["peak_host_gb"] for s in summaries]
-    assert peaks[0] > 0.5  # torch and the model
+    peaks = [s["peak_host_gib"] for s in summaries]
+    assert peaks[0] > 0.5 * GB  # torch and the model
     assert max(peaks[1:]) < 1.1 * peaks[0], peaks
 
 
@@ -202,13 +206,13 @@ def test_each_job_logs_and_summarises_its_memory_by_phase(sweep):
     run = sweep / "0"
     summary = json.loads((run / "metrics.json").read_text())["summary"]
     for phase in ("gen", "grade", "prepare", "forward", "backward", "optimizer"):
-        assert 0 < summary[f"{phase}_peak_host_gb"] <= summary["peak_host_gb"] + 1e-9
-        assert 0 <= summary[f"{phase}_rise_host_gb"] <= summary[f"{phase}_peak_host_gb"]
+        assert 0 < summary[f"{phase}_peak_host_gib"] <= summary["peak_host_gib"] + 1e-9
+        assert 0 <= summary[f"{phase}_rise_host_gib"] <= summary[f"{phase}_peak_host_gib"]
     text = (run / "summary.md").read_text()
     assert "| phase | host peak | host rise |" in text
-    assert f"| backward | {summary['backward_peak_host_gb']:.3f} |" in text
+    assert f"| backward | {summary['backward_peak_host_gib']:.3f} |" in text
     header = next(iter(csv.reader((run / "csv").rglob("metrics.csv").__next__().open())))
-    assert "perf/backward_peak_host_gb" in header and "perf/gen_rise_host_gb" in header
+    assert "perf/backward_peak_host_gib" in header and "perf/gen_rise_host_gib" in header
 
 
 def test_the_export_starts_without_the_optimizer_state():

@@ -362,13 +362,13 @@ def test_lora_sync_bench_runs_both_paths_on_the_tiny_model(tmp_path, model_cache
 def test_memory_slope_takes_each_steps_largest_phase_peak_and_fits_by_hand():
     slope = _script("bench_memory_slope")
     history = {
-        "perf/gen_peak_host_gb": [[0, 1.0], [1, 2.0], [2, 2.5]],
-        "perf/backward_peak_host_gb": [[0, 1.5], [1, 1.0], [2, 3.0]],
-        "perf/backward_rise_host_gb": [[0, 9.0], [1, 9.0], [2, 9.0]],  # a rise, not a peak: ignored
+        "perf/gen_peak_host_gib": [[0, 1.0], [1, 2.0], [2, 2.5]],
+        "perf/backward_peak_host_gib": [[0, 1.5], [1, 1.0], [2, 3.0]],
+        "perf/backward_rise_host_gib": [[0, 9.0], [1, 9.0], [2, 9.0]],  # a rise, not a peak: ignored
         "train/loss": [[0, 7.0]],
     }
     assert slope.step_peaks(history) == {0: 1.5, 1: 2.0, 2: 3.0}
-    # y = 2 + 0.01 x over steps 10..14: 1 GB per 100 steps; an alternation ending high: sxy 2 over sxx 42
+    # y = 2 + 0.01 x over steps 10..14: 1 GiB per 100 steps; an alternation ending high: sxy 2 over sxx 42
     assert slope.slope_per_100([10, 11, 12, 13, 14], [2.10, 2.11, 2.12, 2.13, 2.14]) == pytest.approx(1.0)
     assert slope.slope_per_100(list(range(8)), [1, 2, 1, 2, 1, 2, 1, 2]) == pytest.approx(100 * 2 / 42)
     assert slope.slope_per_100([3], [1.0]) == 0.0
@@ -378,11 +378,11 @@ def test_memory_slope_takes_each_steps_largest_phase_peak_and_fits_by_hand():
 
 def test_memory_slope_leaves_the_warm_up_out_and_refuses_too_few_steps():
     slope = _script("bench_memory_slope")
-    peaks = {0: 9.0, 1: 8.0, 2: 3.0, 3: 3.0, 4: 3.0, 5: 3.0}  # a warm-up at 8-9 GB, then level
+    peaks = {0: 9.0, 1: 8.0, 2: 3.0, 3: 3.0, 4: 3.0, 5: 3.0}  # a warm-up at 8-9 GiB, then level
     result = slope.summarise(peaks, warmup=2, windows=2)
-    assert result["slope_gb_per_100"] == 0.0 and result["window_max_gb"] == [3.0, 3.0]
+    assert result["slope_gib_per_100"] == 0.0 and result["window_max_gib"] == [3.0, 3.0]
     assert (result["first_step"], result["last_step"], result["steps"]) == (2, 5, 4)
-    assert result["peak_gb"] == 3.0 and result["warmup_peak_gb"] == 9.0
+    assert result["peak_gib"] == 3.0 and result["warmup_peak_gib"] == 9.0
     with pytest.raises(SystemExit, match="--warmup 5: only 1 steps after it"):
         slope.summarise(peaks, warmup=5, windows=2)
     with pytest.raises(SystemExit):  # argparse's one-line error, before any run
@@ -396,6 +396,6 @@ def test_the_tiny_defaults_memory_stays_flat_over_a_long_run(tmp_path, model_cac
     slope = _script("bench_memory_slope")
     code = slope.main(["--steps", "150", "--out", str(tmp_path), "--", f"model.cache_dir={model_cache}"])
     result = json.loads((tmp_path / "memory_slope.json").read_text())
-    assert code == 0 and abs(result["slope_gb_per_100"]) <= 0.05 and result["steps"] == 130
+    assert code == 0 and abs(result["slope_gib_per_100"]) <= 0.05 and result["steps"] == 130
     assert (tmp_path / "memory_slope.md").read_text().startswith("# Memory over a long run: flat")
     assert (tmp_path / "memory_slope_run" / "summary.md").exists()

@@ -226,7 +226,7 @@ def test_the_curriculum_and_the_held_out_levels_are_part_of_the_runs_identity():
     """A resume with another curriculum rule, other fixed levels or other task.eval_levels is warned of
     (`run_identity`'s "run" part); unset, each entry is None, as in checkpoints written before them."""
     from loorl.config import compose_config, load_settings
-    from loorl.training.checkpoints import run_identity
+    from loorl.training.run_identity import run_identity
 
     def identity(*overrides):
         settings = load_settings(compose_config("experiment=tiny_reasoning_gym", *overrides))

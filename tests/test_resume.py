@@ -32,10 +32,9 @@ from loorl.training.checkpoints import (
     AtomicCheckpointIO,
     atomic_directory,
     complete_checkpoints,
-    previous_metrics_rows,
     read_checkpoint,
-    resolve_resume,
 )
+from loorl.training.resume import previous_metrics_rows, resolve_resume
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = ["rl.steps=30", "checkpoint_every=10", "val_every=5"]  # the experiment, on the quick profile

@@ -170,7 +170,7 @@ def test_minibatches_keep_groups_together(quick_config, tiny):
     module = build_module(cfg, path)
     module.configure_model()
     dm.engine.sync(module.policy)
-    batch, _ = module.prepare(dm.collect(step=0).batch)
+    batch, _ = module.with_advantages(dm.collect(step=0).batch)
     assert batch.old_logprobs is not None  # several optimizer steps per rollout: old logprobs recomputed
 
     seen = []
@@ -379,7 +379,7 @@ def test_kl_in_the_reward_uses_the_trainer_logprobs(quick_config, tiny, exact):
     dm.engine = _OffsetSampler(dm.engine.sampling, eos_token_ids=dm.engine.eos_token_ids, pad_token_id=0)
     dm.setup("fit")
     dm.engine.sync(module.policy)
-    batch, metrics = module.prepare(dm.collect(step=0).batch)
+    batch, metrics = module.with_advantages(dm.collect(step=0).batch)
     kl = metrics["rollout/kl"]
     lengths = batch.completion_mask.sum(-1)  # [N]
     if exact:  # told the sampler is exact, the KL is the sampler's offset times the length

@@ -65,3 +65,32 @@ def test_a_held_out_only_set_gets_its_accuracy_alone_in_the_summary(tmp_path):
     assert "| chain_sum@L1: held-out accuracy (held out only) | 2.0% -> 16.0% |" in text
     row = "| chain_sum: held-out accuracy; reward (first -> last steps); level | 10.0% -> 50.0%; 0.250"
     assert row in text
+
+
+def test_every_memory_figure_of_the_summary_is_in_gib(tmp_path, monkeypatch):
+    """One unit: the peak row, the memory-by-phase table and the memory plan's row all say GiB (2^30
+    bytes, the plan's and the devices' unit); a peak of 7.14e9 bytes reads 6.65 GiB, not 7.14 GB."""
+    from types import SimpleNamespace
+
+    from loorl.util import peak_memory
+
+    monkeypatch.setattr(peak_memory, "host_peak_bytes", lambda: 7.14e9)
+    monkeypatch.setattr(peak_memory, "cuda_peak_bytes", lambda: 2.0 * 2**30)
+    monkeypatch.setattr(peak_memory, "cuda_in_use", lambda: True)
+    summary = RunSummary(str(tmp_path), facts={"memory plan": "fits: peak 4.72 GiB of 139.8 GiB (cuda)"})
+    summary.history = {
+        "rollout/reward": [(0, 0.25)],
+        "perf/gen_peak_host_gib": [(0, 5.5)],
+        "perf/gen_rise_host_gib": [(0, 1.25)],
+        "perf/gen_peak_cuda_gib": [(0, 1.5)],
+        "perf/gen_rise_cuda_gib": [(0, 0.5)],
+    }
+    s = summary.summary(SimpleNamespace(current_epoch=1, global_step=1))
+    assert s["peak_host_gib"] == 7.14e9 / 2**30 and s["gen_peak_cuda_gib"] == 1.5
+    text = summary.markdown(s)
+    assert "| peak memory | 6.65 GiB resident on the host; 2.00 GiB allocated on CUDA |" in text
+    assert "| gen | 5.500 | 1.250 | 1.500 | 0.500 |" in text
+    memory_lines = [line for line in text.splitlines() if "memory" in line.lower() or "peak" in line]
+    assert len(memory_lines) == 4, memory_lines  # the peak row, the plan's row, the table's title and header
+    for line in memory_lines:
+        assert " GB" not in line and (" GiB" in line or line.startswith("| phase |")), line

@@ -31,8 +31,8 @@ def test_quick_run_writes_every_output(quick_cfg, tmp_path):
     assert 0 <= summary["val_accuracy_start"] <= 1 and 0 <= summary["val_accuracy_end"] <= 1
     text = (run / "summary.md").read_text()
     assert "held-out greedy accuracy" in text and "tokens/s" in text
-    assert summary["peak_host_gb"] > 0.2
-    assert f"| peak memory | {summary['peak_host_gb']:.2f} GB resident on the host" in text
+    assert summary["peak_host_gib"] > 0.2
+    assert f"| peak memory | {summary['peak_host_gib']:.2f} GiB resident on the host" in text
     png = (run / "learning_curve.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
     with open(run / "csv" / "metrics.csv") as f:

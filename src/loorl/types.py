@@ -96,7 +96,7 @@ class RolloutBatch:
     rewards: torch.Tensor  # [N] task reward (NaN = unscorable)
     samples_per_prompt: int
     prompt_len: int
-    advantages: torch.Tensor | None = None  # [N] filled in by the learner (module.prepare)
+    advantages: torch.Tensor | None = None  # [N] filled in by the learner (module.with_advantages)
     ref_logprobs: torch.Tensor | None = None  # [N, C] when a reference model is loaded
     old_logprobs: torch.Tensor | None = None  # [N, C] when the importance ratio can differ from 1
     correct: torch.Tensor | None = None  # [N] the verifier's verdict (1, 0, NaN: none): what dynamic

@@ -118,7 +118,7 @@ def own_evaluation(cfg: DictConfig, s, e, kind: str, policy: Path, output_dir: P
     from hydra.utils import instantiate
 
     from loorl.build import build_run, build_task
-    from loorl.cli.train import trainer_precision
+    from loorl.cli.trainer_parts import trainer_precision
 
     task = build_task(s)
     for name, line in task.run_facts().items():

@@ -34,7 +34,7 @@ COLUMNS = {  # metric -> (column title, format)
     "gen_tokens": ("gen. tokens", ",.0f"),
     "wall_seconds": ("wall (s)", ".0f"),
     "step_seconds": ("s/step", ".2f"),
-    "peak_host_gb": ("peak RSS (GB)", ".2f"),
+    "peak_host_gib": ("peak RSS (GiB)", ".2f"),
     "checkpoint_mb": ("checkpoint (MB)", ",.1f"),
 }
 

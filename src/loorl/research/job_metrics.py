@@ -47,7 +47,7 @@ def job_metrics(job: Job) -> dict[str, float]:
         "gen_tokens": float(tokens[-1]) if len(tokens) else float("nan"),
         "wall_seconds": float(s.get("wall_seconds", float("nan"))),
         "step_seconds": float(s.get("step_seconds", float("nan"))),
-        "peak_host_gb": float(s.get("peak_host_gb", float("nan"))),
+        "peak_host_gib": float(s.get("peak_host_gib", float("nan"))),
         "checkpoint_mb": checkpoint_bytes(job.path / "checkpoints" / "last.ckpt") / 1e6,
     }
 

@@ -1,6 +1,7 @@
-"""What a run leaves behind: the learning-curve plot, the markdown summary, the validation samples
-and the HF export. (The engine's weight sync is `loorl.rollout.engines.sync`; the graceful stop on SIGTERM
-sits with the checkpoints, `loorl.training.checkpoints`.)"""
+"""What a run leaves behind: the run summary (`RunSummary`; its markdown table and plot are
+`loorl.training.run_report`'s), the memory by phase, the validation samples and the HF export. (The
+engine's weight sync is `loorl.rollout.engines.sync`; the graceful stop on SIGTERM is
+`loorl.training.graceful_stop`.)"""
 
 from __future__ import annotations
 
@@ -18,19 +19,12 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from loorl.models.lora import is_lora, save_lora
 from loorl.parallel.fsdp import full_state_dict, is_sharded, unwrapped_class
+from loorl.training.run_report import MEMORY_PHASES, finite_mean, plot_learning_curve, summary_markdown
 from loorl.util.allocator import give_back_freed_memory
-from loorl.util.peak_memory import peak_memory_gb, pop_phase_peaks_gb
+from loorl.util.peak_memory import peak_memory_gib, pop_phase_peaks_gib
 from loorl.util.profiling import PHASES
 
 log = logging.getLogger("loorl")
-
-PLOTTED = ("rollout/reward", "val/accuracy")
-MEMORY_PHASES = tuple(p for p in PHASES if p != "other")  # the PhaseClock's phases, each with its peak
-
-
-def _mean(values: list[float]) -> float:
-    values = [v for v in values if not math.isnan(v)]
-    return sum(values) / len(values) if values else float("nan")
 
 
 def rl_steps_done(trainer) -> int:
@@ -38,42 +32,17 @@ def rl_steps_done(trainer) -> int:
     return trainer.current_epoch + 1 if trainer.state.fn == "fit" else trainer.global_step
 
 
-def peak_memory_text(host_gb: float, cuda_gb: float) -> str:
-    """`2.10 GB resident on the host`, plus `; 30.5 GB allocated on CUDA` where CUDA was used."""
-    text = f"{host_gb:.2f} GB resident on the host"
-    return text if math.isnan(cuda_gb) else f"{text}; {cuda_gb:.2f} GB allocated on CUDA"
-
-
-def phase_memory_table(s: dict[str, float]) -> list[str]:
-    """The summary's memory by phase as markdown lines ([] when no phase was measured): each phase's
-    peak and its rise over what was in use when it started, the largest over steps
-    (`loorl.util.peak_memory`). The CUDA columns only where CUDA was used."""
-    phases = [p for p in MEMORY_PHASES if not math.isnan(s[f"{p}_peak_host_gb"])]
-    if not phases:
-        return []
-    keys = ["peak_host", "rise_host"]
-    if any(not math.isnan(s[f"{p}_peak_cuda_gb"]) for p in phases):
-        keys += ["peak_cuda", "rise_cuda"]
-    names = {"peak_host": "host peak", "rise_host": "host rise", "peak_cuda": "CUDA peak",
-             "rise_cuda": "CUDA rise"}  # fmt: skip
-    lines = ["", "Memory by phase, GB (resident on the host, allocated on CUDA; the largest over steps; "
-             "rise: above what was in use when the phase started):", ""]  # fmt: skip
-    lines += ["| phase | " + " | ".join(names[k] for k in keys) + " |", "| --- |" + " --- |" * len(keys)]
-    for p in phases:
-        lines.append(f"| {p} | " + " | ".join(f"{s[f'{p}_{k}_gb']:.3f}" for k in keys) + " |")
-    return lines
-
-
 class PhaseMemory(L.Callback):
-    """Logs each step's memory by phase (`perf/<phase>_peak_host_gb` and `perf/<phase>_rise_host_gb`,
-    `..._cuda_gb` where CUDA is in use; `loorl.util.peak_memory.phase_peak`): the step's rollout (gen,
-    grade) and its update. What validation's phases reached goes into the run's overall peak only."""
+    """Logs each step's memory by phase in GiB (`perf/<phase>_peak_host_gib` and
+    `perf/<phase>_rise_host_gib`, `..._cuda_gib` where CUDA is in use;
+    `loorl.util.peak_memory.phase_peak`): the step's rollout (gen, grade) and
+    its update. What validation's phases reached goes into the run's overall peak only."""
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
-        pop_phase_peaks_gb()  # the step's rollout is generated after this hook, as the loop fetches it
+        pop_phase_peaks_gib()  # the step's rollout is generated after this hook, as the loop fetches it
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        peaks = pop_phase_peaks_gb()  # this rank's (rank 0's are logged)
+        peaks = pop_phase_peaks_gib()  # this rank's (rank 0's are logged)
         if peaks:
             pl_module.log_dict(peaks, on_step=False, on_epoch=True, reduce_fx="max", batch_size=1)
 
@@ -179,12 +148,12 @@ class RunSummary(L.Callback):
             "val_accuracy_start": acc[0] if acc else float("nan"),
             "val_accuracy_end": acc[-1] if acc else float("nan"),
             "val_accuracy_best": max(acc) if acc else float("nan"),  # the end should be close to it
-            "reward_first": _mean(reward[:window]),
-            "reward_last": _mean(reward[-window:]),
+            "reward_first": finite_mean(reward[:window]),
+            "reward_last": finite_mean(reward[-window:]),
             "kl_last": (self.series("rollout/kl") or [float("nan")])[-1],
             "wall_seconds": time.perf_counter() - self.started,
-            "gen_tokens_per_s": _mean(self.series("perf/gen_tokens_per_s")),
-            "train_tokens_per_s": _mean(self.series("perf/train_tokens_per_s")),
+            "gen_tokens_per_s": finite_mean(self.series("perf/gen_tokens_per_s")),
+            "train_tokens_per_s": finite_mean(self.series("perf/train_tokens_per_s")),
         }
         out["val_accuracy_gain"] = out["val_accuracy_end"] - out["val_accuracy_start"]
         pass_k = self.series("val/pass_at_k")
@@ -195,121 +164,27 @@ class RunSummary(L.Callback):
         out["val_maj_at_k_end"] = maj_k[-1] if maj_k else float("nan")
         out["gen_tokens"] = sum(self.series("rollout/gen_tokens"))
         for key in ("rounds", "groups_with_signal", "filler_groups"):  # rl.dynamic_sampling: per-step means
-            out[f"dynamic_{key}_mean"] = _mean(self.series(f"dynamic/{key}"))
+            out[f"dynamic_{key}_mean"] = finite_mean(self.series(f"dynamic/{key}"))
         for key in ("calls_per_sample", "used_frac", "errors", "timeouts", "turns_per_sample",
                     "inserted_tokens"):  # fmt: skip  # multi-turn rollouts with tools: per-step means
-            out[f"tools_{key}_mean"] = _mean(self.series(f"tools/{key}"))
-        out["tools_seconds_mean"] = _mean(self.series("perf/tool_seconds"))
+            out[f"tools_{key}_mean"] = finite_mean(self.series(f"tools/{key}"))
+        out["tools_seconds_mean"] = finite_mean(self.series("perf/tool_seconds"))
         out |= self.staleness()
-        out |= peak_memory_gb()  # this rank's (rank 0 writes the summary)
+        out |= peak_memory_gib()  # this rank's (rank 0 writes the summary)
         for phase in ("step", *PHASES):  # medians: the first steps pay one-off costs (allocation, caches)
             values = self.series(f"perf/{phase}_seconds")
             out[f"{phase}_seconds"] = float(np.median(values)) if values else float("nan")
         for phase in MEMORY_PHASES:  # the largest over steps: memory must fit the worst step
             for key in ("peak_host", "rise_host", "peak_cuda", "rise_cuda"):
-                values = self.series(f"perf/{phase}_{key}_gb")
-                out[f"{phase}_{key}_gb"] = max(values) if values else float("nan")
+                values = self.series(f"perf/{phase}_{key}_gib")
+                out[f"{phase}_{key}_gib"] = max(values) if values else float("nan")
         return out
 
     def markdown(self, s: dict[str, float]) -> str:
-        def pct(x):
-            return "n/a" if math.isnan(x) else f"{100 * x:.1f}%"
-
-        def num(x, fmt=".3f"):
-            return "n/a" if math.isnan(x) else format(x, fmt)
-
-        rows = [
-            ("RL steps (optimizer steps)", f"{s['rl_steps']} ({s['optimizer_steps']})"),
-            (
-                "held-out greedy accuracy",
-                f"{pct(s['val_accuracy_start'])} -> {pct(s['val_accuracy_end'])} "
-                f"(best {pct(s['val_accuracy_best'])})",
-            ),  # fmt: skip
-        ]
-        if self.pass_k:  # val_pass_k=0: not measured, no rows
-            for name, key in (("pass", "val_pass_at_k"), ("maj", "val_maj_at_k")):
-                rows.append(
-                    (
-                        f"held-out {name}@{self.pass_k} (sampled)",
-                        f"{pct(s[key + '_start'])} -> {pct(s[key + '_end'])}",
-                    )
-                )
-        sources = sorted(
-            k.removeprefix("val/accuracy/") for k in self.history if k.startswith("val/accuracy/")
+        """summary.md's text (`loorl.training.run_report.summary_markdown`)."""
+        return summary_markdown(
+            s, title=self.title, pass_k=self.pass_k, history=self.history, facts=self.facts
         )
-        for metric in sorted(k for k in self.history if k.startswith("curriculum/level/")):
-            source, levels = metric.removeprefix("curriculum/level/"), self.series(metric)
-            if source not in sources:  # a task of one source (task=arithmetic's curriculum): its level alone
-                span = f"{levels[0]:.0f} -> {levels[-1]:.0f}"
-                rows.append((f"{source}: curriculum level (first -> last steps)", span))
-        for source in sources:
-            acc = self.series(f"val/accuracy/{source}")
-            reward = self.series(f"rollout/reward/{source}")
-            levels = self.series(f"curriculum/level/{source}")  # task.curriculum: first and last levels
-            if not reward and not levels:  # a held-out set no rollout draws from (task.eval_levels')
-                rows.append(
-                    (f"{source}: held-out accuracy (held out only)", f"{pct(acc[0])} -> {pct(acc[-1])}")
-                )
-                continue
-            window = max(1, min(10, len(reward) // 5))
-            label = f"{source}: held-out accuracy; reward (first -> last steps)" + (
-                "; level" if levels else ""
-            )
-            first, last = num(_mean(reward[:window])), num(_mean(reward[-window:]))
-            value = f"{pct(acc[0])} -> {pct(acc[-1])}; {first} -> {last}"
-            rows.append((label, value + (f"; {levels[0]:.0f} -> {levels[-1]:.0f}" if levels else "")))
-        rows += [
-            ("reward (first -> last steps)", f"{num(s['reward_first'])} -> {num(s['reward_last'])}"),
-            ("KL to reference (last step)", num(s["kl_last"], ".4f")),
-            ("generated tokens", f"{s['gen_tokens']:,.0f}"),
-            ("wall time", f"{s['wall_seconds']:.1f} s"),
-            ("generation tokens/s", num(s["gen_tokens_per_s"], ".0f")),
-            ("training tokens/s", num(s["train_tokens_per_s"], ".0f")),
-            ("peak memory", peak_memory_text(s["peak_host_gb"], s["peak_cuda_gb"])),
-        ]
-        if not math.isnan(s["dynamic_rounds_mean"]):
-            rounds, signal = s["dynamic_rounds_mean"], s["dynamic_groups_with_signal_mean"]
-            value = f"{rounds:.2f} rounds; {signal:.1f} groups with signal, "
-            value += f"{s['dynamic_filler_groups_mean']:.1f} without (the rounds ran out)"
-            rows.append(("dynamic sampling (per step, mean)", value))
-        if not math.isnan(s["tools_calls_per_sample_mean"]):
-            value = (
-                f"{s['tools_calls_per_sample_mean']:.2f} calls and {s['tools_turns_per_sample_mean']:.2f} "
-                f"turns per sample, {100 * s['tools_used_frac_mean']:.1f}% of samples called one; per step "
-                f"{s['tools_errors_mean']:.1f} errors, {s['tools_timeouts_mean']:.1f} time-outs, "
-                f"{s['tools_seconds_mean']:.2f} tool s, {s['tools_inserted_tokens_mean']:,.0f} tokens "
-                "inserted"
-            )
-            rows.append(("tools (rollouts, mean)", value))
-        rows += list(self.facts.items())
-        if not math.isnan(s["step_seconds"]):
-            parts = ", ".join(
-                f"{p} {s[p + '_seconds']:.2f}" for p in PHASES if not math.isnan(s[p + "_seconds"])
-            )
-            rows.append(("seconds per step (median): whole; phases", f"{s['step_seconds']:.2f}; {parts}"))
-        lines = [f"## {self.title}", "", "| metric | value |", "| --- | --- |"]
-        lines += [f"| {k} | {v} |" for k, v in rows]
-        return "\n".join(lines + phase_memory_table(s)) + "\n"
-
-    def plot(self, path: Path) -> None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for key, style in zip(PLOTTED, ("-", "o-")):
-            points = self.history.get(key, [])
-            if points:
-                ax.plot([p[0] for p in points], [p[1] for p in points], style, label=key, markersize=3)
-        ax.set_xlabel("RL step (policy updates so far)")
-        ax.set_ylabel("reward / accuracy")
-        ax.set_title(self.title)
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
 
     @rank_zero_only
     def on_fit_end(self, trainer, pl_module) -> None:
@@ -320,7 +195,7 @@ class RunSummary(L.Callback):
         (self.output_dir / "metrics.json").write_text(
             json.dumps({"summary": s, "history": self.history}, indent=1, default=float)
         )
-        self.plot(self.output_dir / "learning_curve.png")
+        plot_learning_curve(self.history, self.output_dir / "learning_curve.png", title=self.title)
         print("\n" + self.summary_text + f"\nwritten to {self.output_dir}/ (summary.md, learning_curve.png)")
 
 

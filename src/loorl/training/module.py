@@ -2,7 +2,7 @@
 
 Data flows one way: the DataModule yields one `Rollout` per RL iteration (prompts, completions,
 rewards, correctness: what the environment knows). `training_step` adds what only the learner
-knows (reference and old log-probs, the KL penalty, the advantages; `prepare`), then takes one
+knows (reference and old log-probs, the KL penalty, the advantages; `with_advantages`), then takes one
 optimizer step per mini-batch of whole groups, each split into micro-batches for memory. Every
 micro-batch's loss is normalised by the token and sequence counts of its whole mini-batch, so the
 gradient does not depend on the micro-batch size (it would with Lightning's automatic
@@ -11,7 +11,7 @@ accumulation, which averages micro-batch means). The engine follows the policy t
 
 Precision: `model.dtype` is the compute dtype, `model.master_dtype` that of the trainable weights
 and the optimizer state (float32 unless the user opts out). bfloat16 compute over float32 weights
-runs under Lightning's `bf16-mixed` (autocast), chosen by `loorl.cli.train.trainer_precision`: AdamW
+runs under Lightning's `bf16-mixed` (autocast), chosen by `loorl.cli.trainer_parts.trainer_precision`: AdamW
 updates at lr 1e-6 are mostly below half a bf16 step of a weight and would round to nothing.
 """
 
@@ -43,33 +43,14 @@ from loorl.settings import (
     ModelSettings,
     RLSettings,
 )
-from loorl.training.checkpoints import IDENTITY_KEY
+from loorl.training.lr_schedule import lr_scheduler
+from loorl.training.run_identity import IDENTITY_KEY
+from loorl.training.validation_metrics import COUNTED_METRICS, VALIDATION_METRICS, log_heldout_metrics
 from loorl.types import Rollout, RolloutBatch, SamplingConfig
 from loorl.util.autocast import cached_autocast
 from loorl.util.profiling import PhaseClock
 
 log = logging.getLogger(__name__)
-
-
-# the DataModule's per-prompt validation results -> the logged `val/<name>` metrics
-VALIDATION_METRICS = {  # tool_used: greedy answers that called a tool (tools.max_turns > 0)
-    "correct": "accuracy", "reward": "reward", "pass_k": "pass_at_k", "maj_k": "maj_at_k",
-    "tool_used": "tool_used_frac",
-}  # fmt: skip
-# summed over held-out prompts (and ranks), not averaged; env_failures: samples (greedy and sampled) whose
-# environment instance failed (environment._target_: a reset, get_reward or worker lost)
-COUNTED_METRICS = {"unscorable": "unscorable", "env_failures": "env_failures"}
-
-
-def overall_rows(results: dict) -> dict[str, torch.Tensor | None]:
-    """The per-prompt metrics of `results` (VALIDATION_METRICS, COUNTED_METRICS) over the prompts the
-    overall `val/<metric>` covers (`in_overall`; None: all): task=reasoning_gym's `eval_levels` sets are
-    logged only as `val/accuracy/<name>@L<level>`, so `val/accuracy` keeps meaning the starting levels'."""
-    keep = results.get("in_overall")  # [n] bool
-    out = {key: results.get(key) for key in (*VALIDATION_METRICS, *COUNTED_METRICS)}
-    if keep is None or bool(keep.all()):
-        return out
-    return {key: None if v is None else v[keep.to(v.device)] for key, v in out.items()}
 
 
 def minibatch_prompts(rl: RLSettings, *, seed: int, step: int, world_size: int = 1) -> list[list[int]]:
@@ -86,29 +67,6 @@ def minibatch_prompts(rl: RLSettings, *, seed: int, step: int, world_size: int =
         order = torch.randperm(groups, generator=gen).tolist()
         out += [order[i : i + per_step] for i in range(0, len(order), per_step)]
     return out
-
-
-def wsd_arguments(schedule: LRScheduleSettings, *, total_steps: int) -> dict:
-    """`schedule` over `total_steps` optimizer steps as the arguments of transformers'
-    warmup-stable-decay schedule: linear warm-up, then constant (no decay), or linear or cosine decay
-    to `min_lr_ratio` of the base rate over the rest. A warm-up longer than the run keeps its slope
-    (the run never reaches the peak). The TRL benchmark peer gets the same arguments."""
-    warmup = schedule.warmup_steps
-    decay = 0 if schedule.name == "constant" else max(0, total_steps - warmup)
-    return {
-        "num_warmup_steps": warmup,
-        "num_stable_steps": max(0, total_steps - warmup - decay),
-        "num_decay_steps": decay,
-        "decay_type": "cosine" if schedule.name == "constant" else schedule.name,
-        "min_lr_ratio": schedule.min_lr_ratio,
-    }
-
-
-def lr_scheduler(optimizer, schedule: LRScheduleSettings, *, total_steps: int):
-    """The learning-rate schedule (`wsd_arguments`), stepped once per optimizer step."""
-    from transformers.optimization import get_wsd_schedule
-
-    return get_wsd_schedule(optimizer, **wsd_arguments(schedule, total_steps=total_steps))
 
 
 class PolicyGradientModule(L.LightningModule):
@@ -208,7 +166,9 @@ class PolicyGradientModule(L.LightningModule):
 
     # ---- what the learner adds to a rollout ----------------------------------------------------
     @torch.no_grad()
-    def prepare(self, batch: RolloutBatch, *, stale: bool = False) -> tuple[RolloutBatch, dict[str, float]]:
+    def with_advantages(
+        self, batch: RolloutBatch, *, stale: bool = False
+    ) -> tuple[RolloutBatch, dict[str, float]]:
         """Old and reference log-probs, the KL penalty and the advantages of a rollout batch.
 
         `stale`: the batch was sampled with older weights than the policy's (one step off,
@@ -266,8 +226,8 @@ class PolicyGradientModule(L.LightningModule):
         With W data-parallel ranks, `rollout` holds this rank's B/W groups; each global mini-batch
         is M/W groups from every rank (`minibatch_prompts`), normalised by the global counts."""
         clock = self.clock
-        with clock.phase("prepare"):
-            batch, rollout_metrics = self.prepare(rollout.batch, stale=rollout.policy_lag > 0)
+        with clock.phase("prepare"):  # the phase's name in perf/prepare_seconds
+            batch, rollout_metrics = self.with_advantages(rollout.batch, stale=rollout.policy_lag > 0)
         t0 = time.perf_counter()
         opt, stats = self.optimizers(), LossStats()
         world = rank_and_world()[1]
@@ -386,36 +346,9 @@ class PolicyGradientModule(L.LightningModule):
 
     # ---- held-out evaluation -------------------------------------------------------------------
     def validation_step(self, results: dict, batch_idx: int) -> None:
-        """`results`: the DataModule's per-prompt metrics [n] (`RolloutDataModule.heldout_results`);
-        pass@k and maj@k are None when not measured. Each is averaged over all held-out prompts (and
-        ranks), NaN entries (unscorable samples, prompts a metric does not apply to) left out;
-        `unscorable` is summed; prompts whose `in_overall` is False (task.eval_levels' sets) count only
-        in their source's `val/accuracy/<source>` (`overall_rows`)."""
-        overall = overall_rows(results)
-        n = len(overall["correct"])  # 0: a batch of eval_levels' prompts only (logged, not updated)
-        for key, name in VALIDATION_METRICS.items():
-            if overall.get(key) is None:
-                continue
-            metric = self.val_metrics[name]
-            if n:
-                metric.update(overall[key].float())
-            self.log(f"val/{name}", metric, on_step=False, on_epoch=True, batch_size=n,
-                     prog_bar=name == "accuracy")  # fmt: skip
-        for key, name in COUNTED_METRICS.items():
-            if overall.get(key) is not None:
-                self.val_counts[name].update(overall[key].float().sum())
-                self.log(f"val/{name}", self.val_counts[name], on_step=False, on_epoch=True, batch_size=n,
-                         metric_attribute=f"val_counts.{name}")  # fmt: skip
-        for source in results.get("source_names") or []:  # task=mix: accuracy per source as well
-            if source not in self.val_source_accuracy:  # every source on every rank: synced alike
-                self.val_source_accuracy[source] = MeanMetric(nan_strategy="ignore").to(self.device)
-            rows = torch.tensor([s == source for s in results["sources"]])  # [n]
-            if rows.any():
-                metric = self.val_source_accuracy[source]
-                metric.update(results["correct"][rows.to(results["correct"].device)].float())
-                self.log(f"val/accuracy/{source}", metric, on_step=False, on_epoch=True,
-                         batch_size=int(rows.sum()),
-                         metric_attribute=f"val_source_accuracy.{source}")  # fmt: skip
+        """`results`: the DataModule's per-prompt metrics [n], logged as `val/<name>`
+        (`loorl.training.validation_metrics.log_heldout_metrics`)."""
+        log_heldout_metrics(self, results)
 
     # ---- checkpoints ---------------------------------------------------------------------------
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):

@@ -37,7 +37,7 @@ from loorl.util.hardware import cuda_in_use
 
 _CLEAR_REFS, _STATUS = Path("/proc/self/clear_refs"), Path("/proc/self/status")
 _HOST = ("VmHWM", "VmRSS")  # the lines of /proc/self/status read: the high-water mark, the resident set
-GB = 1e9
+GiB = 2**30  # every memory figure a user reads is in GiB, as the memory plan's and the devices'
 
 
 class _Block:
@@ -119,7 +119,7 @@ def reset_peak_memory() -> bool:
 @contextmanager
 def phase_peak(name: str):
     """Record the peak memory reached inside the block as phase `name`'s (the largest over the blocks
-    of that name since the last `pop_phase_peaks_gb`). Two reads of /proc/self/status and two writes
+    of that name since the last `pop_phase_peaks_gib`). Two reads of /proc/self/status and two writes
     to clear_refs: about 0.1 ms."""
     _PEAKS.open.append(_Block(name, *_fold_and_restart()))  # what came before is not this phase's
     try:
@@ -129,15 +129,15 @@ def phase_peak(name: str):
         _close(_PEAKS.open.pop())  # blocks nest: this one is the innermost
 
 
-def pop_phase_peaks_gb() -> dict[str, float]:
-    """The phases' peaks and rises since the last pop as `perf/<phase>_{peak,rise}_host_gb` metrics (and
-    `..._cuda_gb` where CUDA is in use); forgets them."""
+def pop_phase_peaks_gib() -> dict[str, float]:
+    """The phases' peaks and rises since the last pop as `perf/<phase>_{peak,rise}_host_gib` metrics, in
+    GiB (and `..._cuda_gib` where CUDA is in use); forgets them."""
     devices = ("host", "cuda") if cuda_in_use() else ("host",)
     out = {}
     for name, record in _PEAKS.phases.items():
         values = dict(zip(("peak_host", "peak_cuda", "rise_host", "rise_cuda"), record))
         for what in ("peak", "rise"):
-            out |= {f"perf/{name}_{what}_{d}_gb": values[f"{what}_{d}"] / GB for d in devices}
+            out |= {f"perf/{name}_{what}_{d}_gib": values[f"{what}_{d}"] / GiB for d in devices}
     _PEAKS.phases.clear()
     return out
 
@@ -153,7 +153,7 @@ def cuda_peak_bytes() -> float:
     return max(_PEAKS.cuda, _cuda_now()[0])
 
 
-def peak_memory_gb() -> dict[str, float]:
-    """`peak_host_gb` and `peak_cuda_gb` (NaN where CUDA is not in use)."""
-    cuda = cuda_peak_bytes() / GB if cuda_in_use() else float("nan")
-    return {"peak_host_gb": host_peak_bytes() / GB, "peak_cuda_gb": cuda}
+def peak_memory_gib() -> dict[str, float]:
+    """`peak_host_gib` and `peak_cuda_gib`, in GiB (NaN where CUDA is not in use)."""
+    cuda = cuda_peak_bytes() / GiB if cuda_in_use() else float("nan")
+    return {"peak_host_gib": host_peak_bytes() / GiB, "peak_cuda_gib": cuda}

@@ -5,7 +5,7 @@ Each phase is a `torch.profiler.record_function` range named `loorl/<phase>` (wh
 `perf/<phase>_seconds`. The DataModule times `gen` and `grade`, the module `prepare`, `forward`,
 `backward` and `optimizer`; `perf/step_seconds` is the whole step and `perf/other_seconds` what no
 phase covers (Lightning's loop, logging, batch assembly, Python). Each phase also records its peak
-memory and its rise (`loorl.util.peak_memory.phase_peak`), logged as `perf/<phase>_{peak,rise}_host_gb`.
+memory and its rise (`loorl.util.peak_memory.phase_peak`), logged as `perf/<phase>_{peak,rise}_host_gib`.
 
 On a GPU, kernels run after the Python that launched them returns: without a wait a phase measures
 its launches, and the time shows up in whichever later phase first waits (`.item()`). So when this
