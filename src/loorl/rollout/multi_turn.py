@@ -158,6 +158,9 @@ class ToolEngine(RolloutEngine):
 
     def close(self) -> None:
         self.inner.close()
+
+    def weight_sync_stats(self) -> dict[str, float]:
+        return self.inner.weight_sync_stats()
         if self.environment is not None:
             self.environment.environment.close()  # its worker processes
 

@@ -287,6 +287,9 @@ class ProcessEngine(RolloutEngine):
     def sleep(self) -> None:
         self.inner.sleep()
 
+    def weight_sync_stats(self) -> dict[str, float]:
+        return self.inner.weight_sync_stats()
+
     def generate(self, prompt_ids, *, n: int, greedy: bool = False, seed: int | None = None, **options):
         """In this process (validation), on every core: the request in flight is waited for first (the
         sampler is ahead of the trainer and mostly done by then), so that the process is idle while its

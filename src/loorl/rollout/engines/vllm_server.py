@@ -205,6 +205,11 @@ class ServerEngine(RolloutEngine):
         self.update_seconds = 0.0  # the last sync's
         self.update_bytes = 0
 
+    def weight_sync_stats(self) -> dict[str, float]:
+        """The last weight update's seconds and bytes sent to the servers."""
+        seconds, sent = self.update_seconds, float(self.update_bytes)
+        return {"perf/weight_sync_seconds": seconds, "perf/weight_sync_bytes": sent}
+
     # ---- servers ---------------------------------------------------------------------------------
     def start(self) -> None:
         """Start the servers this run launches and connect to every server; once (`close` ends it)."""
