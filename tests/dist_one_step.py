@@ -146,10 +146,10 @@ def main() -> None:
     # the real DataModule: its prompts for a step on this rank, and the statistics of a rollout it
     # collects with the trained policy (each rank samples its own groups)
     environment = build_datamodule(s, task, tok, model_path)
-    prompts = [p.text for p in environment.prompts_for_step(3)]
+    prompts = [p.text for p in environment.sampler.prompts_for_step(3)]
     environment.setup("fit")
     environment.engine.sync(module.policy)  # under FSDP: unsharded until the rollout's sleep
-    collected = {k: v for k, v in environment.collect(3).stats.items() if not k.startswith("perf/")}
+    collected = {k: v for k, v in environment.rollout_for_step(3).stats.items() if not k.startswith("perf/")}
     groups, prompts, collected = (
         gather_objects(data.groups),
         gather_objects(prompts),

@@ -307,7 +307,7 @@ def follows_one_optimizer_step(setup, weights) -> dict:
     cfg, task, tok, module, dm = setup
     engine = dm.engine
     engine.sync(weights(module.policy), version=0)
-    batch, metrics = module.prepare(dm.collect(step=0).batch)
+    batch, metrics = module.with_advantages(dm.rollout_for_step(step=0).batch)
     assert (batch.completion_mask.sum(-1) > 0).all()
     opt = torch.optim.AdamW([p for p in module.policy.parameters() if p.requires_grad], lr=1e-2)
     module.accumulate_gradients(batch, lambda loss: loss.backward())

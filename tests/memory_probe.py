@@ -1,7 +1,7 @@
 """Peak memory of one rollout with a reference model, on a model with a 32k vocabulary.
 
 Run as a script in a fresh process (`python tests/memory_probe.py CACHE_DIR GROUPS_PER_PASS`): it
-prints the rise of the process's peak resident memory during `RolloutDataModule.rollout`, in MiB.
+prints the rise of the process's peak resident memory during `RolloutDataModule.rollout_for_step`, in MiB.
 A separate process is the only clean way to read a peak on CPU (the process's high-water mark, kept
 by `loorl.util.peak_memory` across the phase clock's restarts of it, is what earlier work left too).
 """
@@ -73,7 +73,7 @@ def main(cache: str, groups_per_pass: int) -> None:
     dm.setup("fit")
     before = host_peak_bytes() / 1024  # KiB
     dm.engine.sync(module.policy)
-    batch, _ = module.with_advantages(dm.collect(step=0).batch)  # generation, reference and old log-probs
+    batch, _ = module.with_advantages(dm.rollout_for_step(step=0).batch)  # generation, reference and old log-probs
     after = host_peak_bytes() / 1024  # ru_maxrss would lose the peaks before the phases' restarts
     assert batch.ref_logprobs is not None and batch.old_logprobs is not None
     print(json.dumps({

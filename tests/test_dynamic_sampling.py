@@ -13,7 +13,13 @@ from fixtures import tiny_parts
 from loorl.algo import estimators
 from loorl.build import build_datamodule
 from loorl.rollout.batch import assemble, concatenate
-from loorl.rollout.dynamic_sampling import SetAside, choose_groups, groups_with_signal
+from loorl.rollout.dynamic_sampling import (
+    SetAside,
+    choose_groups,
+    groups_with_signal,
+    round_signal,
+    sample_until_signal,
+)
 from loorl.types import Completion
 
 nan = math.nan
@@ -133,13 +139,13 @@ def _datamodule(quick_config, tiny, *overrides):
     dm = build_datamodule(cfg, task, tok, path)
     dm.engine.sync(model)
     seen = []  # every round's rollout, as the DataModule sampled and graded it
-    sample = dm.rollout
+    sample = dm.sampler.sample_and_grade
 
     def recording(*args, **kwargs):
         seen.append(sample(*args, **kwargs))
         return seen[-1]
 
-    dm.rollout = recording
+    dm.sampler.sample_and_grade = recording
     return cfg, dm, seen
 
 
@@ -148,7 +154,7 @@ def test_the_datamodule_fills_the_step_with_whole_groups_that_have_signal(quick_
     """Real samples of the tiny model (about half right): a step's rounds, its chosen groups, each the
     K rows of one round's group, and its logged counts."""
     cfg, dm, seen = _datamodule(quick_config, tiny, f"estimator={name}", "rl.dynamic_sampling.max_rounds=4")
-    rollout = dm.collect(step=1)
+    rollout = dm.rollout_for_step(step=1)
     b, k = cfg.rl.prompts_per_step, cfg.rl.samples_per_prompt
     batch, stats = rollout.batch, rollout.stats
     assert batch.num_groups == b and batch.samples_per_prompt == k
@@ -166,7 +172,7 @@ def test_the_datamodule_fills_the_step_with_whole_groups_that_have_signal(quick_
     assert stats["dynamic/groups_with_signal"] + stats["dynamic/filler_groups"] == b
     assert signal[: int(signal.sum())].all()  # fillers come last
     aside = sum(stats[f"dynamic/set_aside_{kind}"] for kind in ("all_right", "all_wrong", "other"))
-    total_signal = sum(int(dm._signal(s.batch).sum()) for s in seen)
+    total_signal = sum(int(round_signal(s.batch, dm.estimator).sum()) for s in seen)
     assert aside == b * len(seen) - total_signal
     assert stats["dynamic/surplus_groups"] == total_signal - stats["dynamic/groups_with_signal"]
     assert stats["rollout/gen_tokens"] == sum(s.stats["rollout/gen_tokens"] for s in seen)
@@ -187,18 +193,24 @@ def test_rounds_are_a_pure_function_of_seed_step_and_round(quick_config, tiny):
     prompts are not round 0's."""
     _, first, seen_first = _datamodule(quick_config, tiny, "rl.dynamic_sampling.max_rounds=3")
     _, second, seen_second = _datamodule(quick_config, tiny, "rl.dynamic_sampling.max_rounds=3")
-    a, b = first.collect(step=2), second.collect(step=2)
+    a, b = first.rollout_for_step(step=2), second.rollout_for_step(step=2)
     assert torch.equal(a.batch.input_ids, b.batch.input_ids) and len(seen_first) == len(seen_second)
-    assert [p.text for p in first.prompts_for_step(2, 1)] != [p.text for p in first.prompts_for_step(2)]
-    assert [p.text for p in first.prompts_for_step(2, 0)] == [p.text for p in first.prompts_for_step(2)]
+    assert [p.text for p in first.sampler.prompts_for_step(2, 1)] != [
+        p.text for p in first.sampler.prompts_for_step(2)
+    ]
+    assert [p.text for p in first.sampler.prompts_for_step(2, 0)] == [
+        p.text for p in first.sampler.prompts_for_step(2)
+    ]
 
 
 def test_dynamic_sampling_off_hands_over_the_rollout_as_sampled(quick_config, tiny):
-    """Off (the default), `fill` is the identity: one round, no `dynamic/` metric, the batch as
-    assembled from the one generation call."""
+    """Off (the default), `sample_until_signal` is the identity: one round, no `dynamic/` metric, the
+    batch as assembled from the one generation call."""
     _, task, path, tok, model = tiny
     dm = build_datamodule(quick_config(), task, tok, path)
     dm.engine.sync(model)
-    rollout = dm._sample(1)
-    assert dm.fill(rollout) is rollout
-    assert not any(key.startswith("dynamic/") for key in dm.collect(step=1).stats)
+    rollout = dm.sampler.sample_round(1)
+    rounds = {"estimator": dm.estimator, "prompts_per_step": 2, "pad_token_id": 0}
+    never = {"sample_round": pytest.fail, "sleep": pytest.fail}
+    assert sample_until_signal(rollout, settings=dm.rl.dynamic_sampling, **rounds, **never) is rollout
+    assert not any(key.startswith("dynamic/") for key in dm.rollout_for_step(step=1).stats)

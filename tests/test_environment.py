@@ -335,7 +335,7 @@ def test_the_datamodule_takes_get_reward_and_counts_a_failing_one_as_unscorable(
                            rl=RLSettings(prompts_per_step=2, samples_per_prompt=2, prompts_per_minibatch=2),
                            rollout=RolloutSettings(max_new_tokens=200),
                            rewards=RewardComposer([WeightedReward("task", "task")], task=task))  # fmt: skip
-    out = dm.rollout(prompts, seed=0)
+    out = dm.sample_and_grade(prompts, seed=0)
     rewards = out.batch.rewards.view(2, 2)
     assert rewards[0].tolist() == [1.0, 1.0]  # the right sum was added up
     assert rewards[1].isnan().all() and out.stats["rollout/unscorable"] == 2.0
@@ -427,7 +427,7 @@ def test_the_datamodule_trains_on_the_prompt_with_resets_text_in_it(tok):
                            rl=RLSettings(prompts_per_step=2, samples_per_prompt=2, prompts_per_minibatch=2),
                            rollout=RolloutSettings(max_new_tokens=200),
                            rewards=RewardComposer([WeightedReward("task", "task")], task=task))  # fmt: skip
-    out = dm.rollout(prompts, seed=0)
+    out = dm.sample_and_grade(prompts, seed=0)
     rows = [tok.decode([t for t, m in zip(ids, mask) if m]) for ids, mask in
             zip(out.batch.input_ids.tolist(), out.batch.attention_mask.tolist())]  # fmt: skip
     assert rows[0] == f"{prompts[0].text}Start at {prompts[0].answer}.7<eos>" and rows[0] == rows[1]

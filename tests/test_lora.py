@@ -66,8 +66,8 @@ def trained(quick_config, lora_run):
     module.load_state_dict(ckpt["state_dict"])  # strict: only the frozen base weights may be missing
     dm = build_datamodule(cfg, task, tok, path)
     dm.engine.sync(PolicyWeights(module.policy))
-    batch = dm.collect(step=0).batch
-    prompts = [tok(p.text, add_special_tokens=False).input_ids for p in dm.prompts_for_step(0)]
+    batch = dm.rollout_for_step(step=0).batch
+    prompts = [tok(p.text, add_special_tokens=False).input_ids for p in dm.sampler.prompts_for_step(0)]
     return Trained(module, tok, path, batch, prompts)
 
 

@@ -174,7 +174,7 @@ def test_the_datamodule_samples_in_turns_and_logs_the_tools(quick_config, tiny):
         quick_config(*DIGIT_TOOLS, *ON_CPU, "rollout.hf_decode=static"), task, tok, path
     ).engine.keep_cache
     dm.engine.sync(model)
-    rollout = dm.collect(step=1)
+    rollout = dm.rollout_for_step(step=1)
     stats, batch = rollout.stats, rollout.batch
     n = batch.input_ids.shape[0]
     assert stats["tools/calls_per_sample"] > 0 and 0 < stats["tools/used_frac"] <= 1
@@ -201,7 +201,7 @@ def test_with_tools_the_overlong_penalty_counts_against_the_samples_budget(quick
     )
     for d in (dm, plain):
         d.engine.sync(model)
-    shaped, unshaped = dm.collect(step=1), plain.collect(step=1)
+    shaped, unshaped = dm.rollout_for_step(step=1), plain.rollout_for_step(step=1)
     batch = shaped.batch
     assert torch.equal(batch.input_ids, unshaped.batch.input_ids)  # the same samples
     sizes = batch.attention_mask[:, batch.prompt_len :].sum(-1)  # [N] generated and inserted tokens
@@ -220,7 +220,7 @@ def test_max_turns_zero_is_the_run_without_tools(quick_config, tiny):
     assert type(off.engine) is type(plain.engine) is HFEngine
     for dm in (plain, off):
         dm.engine.sync(model)
-    a, b = plain.collect(step=1), off.collect(step=1)
+    a, b = plain.rollout_for_step(step=1), off.rollout_for_step(step=1)
     assert torch.equal(a.batch.input_ids, b.batch.input_ids) and a.stats.keys() == b.stats.keys()
     assert {k: v for k, v in a.stats.items() if not k.startswith("perf/")} == {
         k: v for k, v in b.stats.items() if not k.startswith("perf/")

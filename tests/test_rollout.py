@@ -12,8 +12,8 @@ from loorl.algo import estimators
 from loorl.algo.logprobs import completion_logits, completion_logprobs
 from loorl.build import build_datamodule, build_module
 from loorl.rollout.batch import assemble
-from loorl.rollout.datamodule import sampler_seed
 from loorl.rollout.engines.hf_engine import HFEngine
+from loorl.rollout.sampling import sampler_seed
 from loorl.training.module import minibatch_prompts
 from loorl.types import Completion, Prompt, SamplingConfig
 
@@ -170,7 +170,7 @@ def test_minibatches_keep_groups_together(quick_config, tiny):
     module = build_module(cfg, path)
     module.configure_model()
     dm.engine.sync(module.policy)
-    batch, _ = module.with_advantages(dm.collect(step=0).batch)
+    batch, _ = module.with_advantages(dm.rollout_for_step(step=0).batch)
     assert batch.old_logprobs is not None  # several optimizer steps per rollout: old logprobs recomputed
 
     seen = []
@@ -379,7 +379,7 @@ def test_kl_in_the_reward_uses_the_trainer_logprobs(quick_config, tiny, exact):
     dm.engine = _OffsetSampler(dm.engine.sampling, eos_token_ids=dm.engine.eos_token_ids, pad_token_id=0)
     dm.setup("fit")
     dm.engine.sync(module.policy)
-    batch, metrics = module.with_advantages(dm.collect(step=0).batch)
+    batch, metrics = module.with_advantages(dm.rollout_for_step(step=0).batch)
     kl = metrics["rollout/kl"]
     lengths = batch.completion_mask.sum(-1)  # [N]
     if exact:  # told the sampler is exact, the KL is the sampler's offset times the length
@@ -407,7 +407,7 @@ def test_datamodule_collects_a_rollout_with_a_real_engine_and_no_learner(tiny):
     dm = build_datamodule(cfg, counting, tok, path)
     assert isinstance(dm.rewards, RewardComposer) and dm.rewards.task is counting
     dm.engine.sync(model)
-    rollout = dm.collect(step=3)
+    rollout = dm.rollout_for_step(step=3)
     b, k = cfg.rl.prompts_per_step, cfg.rl.samples_per_prompt
     assert rollout.step == 3 and rollout.batch.input_ids.shape[0] == b * k
     assert rollout.batch.advantages is None and rollout.batch.ref_logprobs is None  # the learner's part
@@ -423,11 +423,13 @@ def test_datamodule_collects_a_rollout_with_a_real_engine_and_no_learner(tiny):
         assert key in rollout.stats
     again = build_datamodule(cfg, counting, tok, path)
     again.engine.sync(model)
-    assert [p.text for p in again.prompts_for_step(3)] == [p.text for p in dm.prompts_for_step(3)]
+    assert [p.text for p in again.sampler.prompts_for_step(3)] == [
+        p.text for p in dm.sampler.prompts_for_step(3)
+    ]
     results = dm.heldout_results(counting.eval_prompts()[:10])  # what validation_step receives
     assert results["correct"].shape == (10,) and results["pass_k"].shape == (10,)
     custom = RewardComposer([WeightedReward("task", "task")], task=counting)
-    assert custom(dm.prompts_for_step(0)[:2], [["1", "2"], ["3", "4"]]).correct.shape == (2, 2)
+    assert custom(dm.sampler.prompts_for_step(0)[:2], [["1", "2"], ["3", "4"]]).correct.shape == (2, 2)
 
 
 def test_generation_is_split_into_calls_of_whole_groups(tiny):

@@ -39,7 +39,7 @@ def test_the_overlong_penalty_reaches_the_reward_the_estimator_sees(quick_config
     )
     for d in (dm, plain):
         d.engine.sync(model)
-    shaped, unshaped = dm.collect(step=0), plain.collect(step=0)
+    shaped, unshaped = dm.rollout_for_step(step=0), plain.rollout_for_step(step=0)
     lengths = shaped.batch.attention_mask[:, shaped.batch.prompt_len :].sum(-1)  # [N] tokens incl. EOS
     penalty = overlong_penalty(lengths, max_len=6, buffer=4, penalty=0.25)
     assert torch.equal(shaped.batch.input_ids, unshaped.batch.input_ids)  # same samples

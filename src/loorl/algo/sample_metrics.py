@@ -1,7 +1,8 @@
 """Held-out metrics of sampled completions: unbiased pass@k and majority-vote maj@k, per prompt.
 
 Pure functions over correctness tensors and extracted answers; the validation loop and
-`src/eval.py` both call them through `RolloutDataModule.heldout_results`.
+`src/eval.py` both call them through `loorl.rollout.heldout.heldout_results`
+(`RolloutDataModule.heldout_results`).
 """
 
 from __future__ import annotations

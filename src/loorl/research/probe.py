@@ -171,7 +171,8 @@ def probe(
     grads = {(name, shift): [] for name in fns for shift in shifts}
     accuracy = []
     for r in tqdm(range(options.repeats), desc="repeats", unit="rollout", disable=not progress):
-        rollout = datamodule.rollout(prompts, seed=sampler_seed(s.run.seed, "grad_variance", r), step=r)
+        seed = sampler_seed(s.run.seed, "grad_variance", r)
+        rollout = datamodule.sample_and_grade(prompts, seed=seed, step=r)
         batch = rollout.batch
         inp = AdvantageInput.of_samples(
             batch.rewards, batch.completion_mask.sum(-1), options.samples

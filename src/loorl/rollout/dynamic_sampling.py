@@ -7,16 +7,22 @@ group baselines (RLOO, GRPO, Dr. GRPO, REINFORCE++-baseline) that is "fewer than
 scorable rewards"; for REINFORCE++, whose baseline is the batch, a group alone is whitened over
 itself, so the same groups count as uniform (in a batch they would get the batch-relative
 advantage, which a filtered batch gives up); for plain REINFORCE (no baseline) a group has signal
-unless every reward is 0. Pure functions: the rounds themselves run in `RolloutDataModule.fill`.
+unless every reward is 0. Pure functions, and the rounds themselves (`sample_until_signal`), which
+sample through the function they are given.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
 from loorl.algo.estimators import AdvantageInput, Estimator
+from loorl.parallel.distributed import all_reduce
+from loorl.rollout.batch import concatenate
+from loorl.settings import DynamicSamplingSettings
+from loorl.types import Rollout, RolloutBatch
 
 
 def groups_with_signal(rewards: torch.Tensor, estimator: Estimator) -> torch.Tensor:
@@ -70,3 +76,89 @@ def choose_groups(signal_by_round: list[torch.Tensor], quota: int) -> Choice:
     kept = with_signal[:quota]
     fillers = without[: quota - len(kept)]
     return Choice(kept + fillers, fillers=len(fillers), surplus=len(with_signal) - len(kept))
+
+
+def round_signal(batch: RolloutBatch, estimator: Estimator) -> torch.Tensor:
+    """[B] which groups of a round's batch have signal under the run's estimator."""
+    return groups_with_signal(batch.rewards.view(-1, batch.samples_per_prompt), estimator)
+
+
+def verdicts(batch: RolloutBatch) -> torch.Tensor:
+    """[B, K] the verdicts; all NaN (counted as `other`) for a rollout checkpointed without them."""
+    if batch.correct is None:
+        return torch.full_like(batch.rewards, torch.nan).view(-1, batch.samples_per_prompt)
+    return batch.correct.view(-1, batch.samples_per_prompt)
+
+
+def sample_until_signal(
+    first: Rollout,
+    *,
+    settings: DynamicSamplingSettings,
+    estimator: Estimator,
+    prompts_per_step: int,
+    sample_round: Callable[[int, int], Rollout],
+    sleep: Callable[[], None],
+    pad_token_id: int,
+) -> Rollout:
+    """Dynamic sampling (`rl.dynamic_sampling`; the rollout itself when off): groups of `first` (the
+    step's round 0) whose advantages would all be 0 are set aside, and further rounds of B prompts,
+    K samples each from one generation call (`sample_round(step, round)`), are drawn with the engine's
+    current weights until this step holds B groups with signal on every rank, or `max_rounds` rounds
+    have run; `sleep` then puts the engine to sleep. The step trains on B/W groups per rank: those with
+    signal, and set-aside ones where too few had (`choose_groups`). The filter looks at the reward the
+    estimator sees before any KL term (the task's, with `reward.overlong`): a KL-shaped reward almost
+    always has a spread. A collective: every rank calls it.
+
+    One step off, round 0 was sampled a step behind (its lag is the rollout's) and the further
+    rounds with this step's weights: the sampler's log-probs are each sample's own, so the
+    importance ratio of every row is right. Rounds are a pure function of (seed, step, round) and
+    the weights: a resumed run draws the same ones."""
+    if not settings.enabled:
+        return first
+    step, quota = first.step, first.batch.num_groups
+    rounds, signal = [first], [round_signal(first.batch, estimator)]
+
+    def missing() -> float:  # groups with signal still lacking, on the rank that lacks the most
+        return float(all_reduce(max(quota - sum(int(f.sum()) for f in signal), 0), "max"))
+
+    while len(rounds) < settings.max_rounds and missing() > 0:
+        rounds.append(sample_round(step, len(rounds)))
+        signal.append(round_signal(rounds[-1].batch, estimator))
+    sleep()  # the rounds are over (grading leaves the engine awake under dynamic sampling)
+    choice = choose_groups(signal, quota)
+    pieces = [rounds[r].batch.select_groups([g]) for r, g in choice.trained]
+    batch = concatenate(pieces, pad_token_id=pad_token_id)
+    aside = sum(
+        (SetAside.of(verdicts(rounds[r].batch)[~flags]) for r, flags in enumerate(signal)),
+        start=SetAside(),
+    )
+    return replace(first, batch=batch, stats=dynamic_sampling_stats(rounds, choice, aside, prompts_per_step))
+
+
+def dynamic_sampling_stats(
+    rounds: list[Rollout], choice: Choice, aside: SetAside, prompts_per_step: int
+) -> dict[str, float]:
+    """The step's statistics under dynamic sampling: round 0's rollout statistics (the policy on a
+    fresh draw of prompts, as without it), the generation totals of every round, and the rounds'
+    own counts, summed over ranks. A collective."""
+    stats = dict(rounds[0].stats)
+    totals = ("rollout/gen_tokens", "perf/gen_seconds", "perf/grade_seconds", "perf/sampler_gen_seconds")
+    for key in totals:
+        if key in stats:
+            stats[key] = sum(r.stats.get(key, 0.0) for r in rounds)
+    stats["perf/gen_tokens_per_s"] = stats["rollout/gen_tokens"] / max(stats["perf/gen_seconds"], 1e-9)
+    mine = [len(choice.trained) - choice.fillers, choice.fillers, choice.surplus]
+    counts = all_reduce(mine + [aside.all_right, aside.all_wrong, aside.other]).tolist()  # all ranks
+    signal, fillers, surplus, right, wrong, other = counts
+    stats |= {
+        "dynamic/rounds": float(len(rounds)),
+        "dynamic/prompts_drawn": float(len(rounds) * prompts_per_step),
+        "dynamic/groups_with_signal": signal,  # trained
+        "dynamic/filler_groups": fillers,  # trained without signal: the rounds ran out
+        "dynamic/surplus_groups": surplus,  # with signal, not trained: the last round brought more
+        "dynamic/set_aside_all_right": right,
+        "dynamic/set_aside_all_wrong": wrong,
+        "dynamic/set_aside_other": other,
+        "dynamic/gen_tokens_per_trained_group": stats["rollout/gen_tokens"] / max(signal, 1.0),
+    }
+    return stats

@@ -116,8 +116,9 @@ class Task(ABC):
         rank, prompt and sample order: per source (`source_names`), or under the task's `name` for a
         task without sources. Called for every task after each graded round of a step: a task that
         adapts to the policy (a curriculum) moves here, on a step's first call only (dynamic
-        sampling's further rounds, and a rollout sampled ahead that a checkpoint grades early, call
-        again with the same step). Returns statistics to log with the step. Default: nothing."""
+        sampling's further rounds call again with the same step). A rollout sampled ahead is observed
+        when its step trains on it, never when it is dropped for staleness. Returns statistics to log
+        with the step. Default: nothing."""
         return {}
 
     def state_dict(self) -> dict:

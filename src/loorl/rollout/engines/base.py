@@ -104,6 +104,9 @@ class RolloutEngine(ABC):
     samples_apart: bool = False
     # set by an engine that samples in the background (`submit`): how long the last `receive` waited
     wait_seconds: float | None = None
+    # True: `generate` (and `submit`) take `rows`, each prompt's fields, for an environment that resets
+    # one instance per sample with its prompt's row (`environment._target_`: `multi_turn.ToolEngine`)
+    takes_rows: bool = False
 
     # ---- the class: settings, checks, construction ---------------------------------------------
     @classmethod
@@ -196,6 +199,12 @@ class RolloutEngine(ABC):
         self._tickets = ticket + 1
         held[ticket] = done
         return ticket
+
+    def weight_sync_stats(self) -> dict[str, float]:
+        """The last weight update's `perf/weight_sync_seconds` and `perf/weight_sync_bytes`, logged with
+        the step, for an engine that copies weights to servers (a wrapper asks its inner engine).
+        Default: none."""
+        return {}
 
     def start(self) -> None:
         """Start what `submit` will need ahead of time (a sampler process); default: nothing."""
