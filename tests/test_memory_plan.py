@@ -1,5 +1,5 @@
 """The memory plan's arithmetic against hand-computed values, its parameter counts against built models,
-and its fixes (loorl.models.memory_plan, loorl.models.plan_inputs)."""
+and its fixes (loorl.planning.memory, loorl.planning.inputs)."""
 
 from dataclasses import replace
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from loorl.models.memory_plan import Architecture, GiB, Workload, cheapest_fix, make_plan, table, verdict
-from loorl.models.plan_inputs import architecture_of, lora_parameter_count
 from loorl.models.random_weights import config_from_fields
+from loorl.planning.inputs import architecture_of, lora_parameter_count
+from loorl.planning.memory import Architecture, GiB, Workload, cheapest_fix, make_plan, table, verdict
 from loorl.util.paths import CONF_DIR
 
 # A small configuration whose every term is computed by hand below.
@@ -204,7 +204,7 @@ def test_plan_device_names_another_machine_s_device(quick_cfg):
     from loorl.cli.plan import memory_plan
     from loorl.config import check_config
     from loorl.errors import ConfigError
-    from loorl.models.plan_inputs import parse_plan_device
+    from loorl.planning.inputs import parse_plan_device
 
     assert parse_plan_device("cuda:80") == (True, 80 * GiB, 1)
     assert parse_plan_device("cuda:141x8") == (True, 141 * GiB, 8)
@@ -243,7 +243,7 @@ def test_the_processes_on_this_host_share_its_memory(quick_cfg, monkeypatch):
     LOCAL_WORLD_SIZE, srun's tasks, else trainer.devices), not over the whole run's."""
     from loorl.cli.plan import memory_plan
     from loorl.config import check_config
-    from loorl.models.plan_inputs import host_memory_bytes
+    from loorl.planning.inputs import host_memory_bytes
 
     cfg = quick_cfg()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")

@@ -125,7 +125,7 @@ def test_qwen7b_full_on_this_host_stops_at_its_memory_plan_building_nothing(
 ):
     """The user's command on a CPU host: the plan (144 GiB for the full fine-tune) stops it with the fix
     before the 15 GB of random weights are written, and without touching the network."""
-    from loorl.models.plan_inputs import host_memory_bytes
+    from loorl.planning.inputs import host_memory_bytes
 
     if host_memory_bytes() > 200 * 2**30:
         pytest.skip("this host holds a 7B full fine-tune")

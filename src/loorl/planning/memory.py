@@ -27,7 +27,7 @@ micro-batch):
 - the rest: on CUDA the context and the allocator's slack, 2 GiB; on CPU the process's resident set
   before the model loads (the interpreter, torch, transformers), measured when the plan is made.
 
-Pure functions over two records (`Architecture`, `Workload`); `loorl.models.plan_inputs` fills them
+Pure functions over two records (`Architecture`, `Workload`); `loorl.planning.inputs` fills them
 from the settings. Every term is an estimate: docs/how-to/memory-plan.md compares them with measured
 peaks.
 """

@@ -1,6 +1,6 @@
 """The memory plan's inputs from a run's settings: the model's `Architecture` (from its config alone, on
 the meta device: no weights, no download) and the `Workload` one process carries
-(`loorl.models.memory_plan` has the arithmetic)."""
+(`loorl.planning.memory` has the arithmetic)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from loorl.models.lora import matches
-from loorl.models.memory_plan import CUDA_SLACK, Architecture, GiB, Workload
+from loorl.planning.memory import CUDA_SLACK, Architecture, GiB, Workload
 from loorl.settings.model import LORA_DEFAULT_TARGETS
 
 log = logging.getLogger(__name__)
