@@ -15,6 +15,7 @@ from omegaconf import DictConfig
 from loorl.errors import ConfigError
 from loorl.models.sources import model_config, tokenizer_at_hand
 from loorl.parallel.launch import lightning_launched_processes, processes_on_this_node
+from loorl.planning.fixes import cheapest_fix, verdict
 from loorl.planning.inputs import (
     architecture_of,
     longest_prompt,
@@ -22,7 +23,7 @@ from loorl.planning.inputs import (
     with_vllm,
     workload_of,
 )
-from loorl.planning.memory import Plan, cheapest_fix, make_plan, table, verdict
+from loorl.planning.memory import Plan, make_plan, table
 
 log = logging.getLogger(__name__)
 
