@@ -32,6 +32,7 @@ LAYERS = [
     ["loorl.settings", "loorl.resolvers"],
     ["loorl.sandbox", "loorl.tasks", "loorl.tools"],
     ["loorl.models", "loorl.gguf_models"],
+    ["loorl.planning"],  # the memory plan: reads the settings and the models' architecture (meta device)
     ["loorl.rewards", "loorl.reward_model", "loorl.reward_library"],
     ["loorl.rollout"],
     ["loorl.training"] + [f"loorl.{m}" for m in ("module", "callbacks", "checkpoints", "strategies")],

@@ -4,6 +4,7 @@ wrote (`memory_plan.json`) with the peak the run measured (`metrics.json`), term
     python scripts/plan_vs_peak.py                  # every case; a finished one is not run again
     python scripts/plan_vs_peak.py --only tiny smollm2_lora_bf16
     python scripts/plan_vs_peak.py --report         # the table from the runs there are
+    python scripts/plan_vs_peak.py --replan         # those runs against the plan today's terms make
     python scripts/plan_vs_peak.py --gpu-plans      # what --plan says for qwen7b on GPUs (gpu_plans.md)
 
 Writes docs/how-to/memory-plan/cases.md (the table docs/how-to/memory-plan.md includes) and
@@ -22,22 +23,64 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
+GB = 1e9  # the unit of the older summaries (`peak_host_gb`)
 
 SMOLLM2 = ["experiment=smollm2_arithmetic", "rl.steps=2", "val_every=2"]
 SMOLLM2_LORA = ["experiment=smollm2_arithmetic_lora", "rl.steps=2", "val_every=2"]
 FLOAT32 = ["model.dtype=float32", "model.ref_dtype=float32"]
+BF16 = ["model.dtype=bfloat16"]  # the recipes' fast_dtype is float32 on a CPU without bf16 units
 # qwen05b with random weights at a CPU-sized step: 8 prompts x K 4, the HF engine, 50 held-out prompts
 QWEN05B = ["model=qwen05b", "model.weights=random", "rollout=hf", "rl.steps=2", "val_every=2",
            "rl.prompts_per_step=8", "rl.prompts_per_minibatch=8", "rl.prompts_per_microbatch=4",
            "rl.samples_per_prompt=4", "task.eval_size=50", "val_pass_k=0", "optimizer.lr=1e-6"]  # fmt: skip
+TWO_STEPS = ["rl.steps=2", "val_every=2"]
+VLLM = ["rollout=vllm"]  # vLLM in process (on the CPU its weights and kv_cache_memory_gb)
+PADDED = ["rl.microbatch_tokens=null"]  # SmolLM2's CPU recipe packs 256-token micro-batches
+# The cases the plan was tuned on (the first seven), then the grid it was not (issue 79): full and LoRA,
+# bf16 and float32 bases, the HF and vLLM engines, packed and padded micro-batches, every shipped
+# `experiment=` recipe at two steps, and the issue's own two commands.
 CASES = {
     "tiny": ["rl.steps=3", "val_every=3"],
-    "smollm2_full_bf16": SMOLLM2,
+    "smollm2_full_bf16": [*SMOLLM2, *BF16],
     "smollm2_full_float32": [*SMOLLM2, *FLOAT32],
-    "smollm2_lora_bf16": SMOLLM2_LORA,
+    "smollm2_lora_bf16": [*SMOLLM2_LORA, *BF16],
     "smollm2_lora_float32": [*SMOLLM2_LORA, *FLOAT32],
     "qwen05b_random_full": QWEN05B,
     "qwen05b_random_lora": [*QWEN05B, "model.lora={r: 16, base_dtype: bfloat16}", "optimizer.lr=1e-5"],
+    # the issue's: LoRA over a float32 base (base_dtype's default), the model's recipe (512 rows a rollout)
+    "qwen05b_random_lora_float32_base": [
+        "model=qwen05b",
+        "model.weights=random",
+        "model.lora={r: 16}",
+        *TWO_STEPS,
+        "val_pass_k=0",
+        "task.eval_size=16",
+    ],  # fmt: skip
+    "smollm2_reasoning_gym": ["experiment=smollm2_reasoning_gym", "seed=1", *TWO_STEPS],
+    "smollm2_reasoning_gym_bf16": ["experiment=smollm2_reasoning_gym", "seed=1", *TWO_STEPS, *BF16],
+    "tiny_bf16": ["rl.steps=3", "val_every=3", "model.dtype=bfloat16"],
+    "tiny_lora": ["rl.steps=3", "val_every=3", "model.lora={r: 8}"],
+    "tiny_vllm": ["rl.steps=3", "val_every=3", *VLLM],
+    "smollm2_full_bf16_padded": [*SMOLLM2, *BF16, *PADDED],
+    "smollm2_lora_bf16_padded": [*SMOLLM2_LORA, *BF16, *PADDED],
+    "smollm2_lora_bf16_vllm": [*SMOLLM2_LORA, *BF16, *VLLM],
+    "qwen05b_random_full_float32": [*QWEN05B, *FLOAT32],
+    "qwen05b_random_lora_float32_base_small": [*QWEN05B, "model.lora={r: 16}", "optimizer.lr=1e-5"],
+    **{
+        f"experiment_{name}": [f"experiment={name}", *TWO_STEPS]
+        for name in (
+            "arithmetic_grpo",
+            "gspo",
+            "smollm2_arithmetic",
+            "smollm2_arithmetic_lora",
+            "smollm2_calculator",
+            "tiny_long_sums",
+            "tiny_reasoning_gym",
+            "tiny_sum_calculator",
+            "study_tiny",
+            "study_smollm2",
+        )  # fmt: skip
+    },
 }
 
 
@@ -88,11 +131,42 @@ def run_case(name: str, overrides: list[str], out: Path) -> None:
     print(f"[{name}] {time.time() - start:.0f} s", flush=True)
 
 
-def compare(name: str, overrides: list[str], run: Path) -> dict:
-    plan = json.loads((run / "memory_plan.json").read_text())
-    summary = json.loads((run / "metrics.json").read_text())["summary"]
+def summary_bytes(summary: dict, key: str) -> float:
+    """A peak of the run's summary in bytes, under either name: `<key>_gib` (GiB) or the older `<key>_gb`
+    (GB)."""
+    if f"{key}_gib" in summary:
+        return summary[f"{key}_gib"] * GiB
+    return summary[f"{key}_gb"] * GB
+
+
+def replan(overrides: list[str], run: Path) -> None:
+    """The plan of today's terms for a case that ran before (`--replan`): `plan=true`'s table, parsed
+    into `memory_plan_now.json` beside the run's own `memory_plan.json` (GiB to two decimals)."""
+    command = [sys.executable, str(ROOT / "src" / "train.py"), *overrides, "--plan"]
+    done = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT)
+    terms = []
+    for line in done.stdout.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 4 and cells[0] not in ("term", "---") and not cells[0].startswith("**"):
+            terms.append(
+                {"name": cells[0], "training": float(cells[1]) * GiB, "generating": float(cells[2]) * GiB}
+            )
+    verdict = next(x for x in done.stdout.splitlines() if x.startswith("memory plan:"))
+    peak = float(verdict.rsplit("peak ", 1)[1].split()[0]) * GiB
+    record = {"device": "cuda" if " cuda " in verdict else "cpu", "terms": terms, "peak_bytes": peak,
+              "training_bytes": sum(t["training"] for t in terms),
+              "generating_bytes": sum(t["generating"] for t in terms)}  # fmt: skip
+    (run / "memory_plan_now.json").write_text(json.dumps(record, indent=2))
+
+
+def compare(name: str, overrides: list[str], run: Path, *, now: bool = False, measured: float = 0.0) -> dict:
+    """A case's plan against its measured peak: the run's own `metrics.json`, or `measured` (bytes)
+    where the run is not here (a peak `cases.json` recorded, `--replan`)."""
+    plan = json.loads((run / ("memory_plan_now.json" if now else "memory_plan.json")).read_text())
     cuda = plan["device"] == "cuda"
-    measured = summary["peak_cuda_gib" if cuda else "peak_host_gib"] * GiB  # the summary's unit
+    if not measured:
+        summary = json.loads((run / "metrics.json").read_text())["summary"]
+        measured = summary_bytes(summary, "peak_cuda" if cuda else "peak_host")
     planned = plan["peak_bytes"] - (2 * GiB if cuda else 0)  # the allocator's peak has no context in it
     phase = "training" if plan["training_bytes"] >= plan["generating_bytes"] else "generating"
     largest = max(plan["terms"], key=lambda t: t[phase])
@@ -132,6 +206,7 @@ def main() -> None:
     parser.add_argument("--report-dir", default=str(ROOT / "docs" / "how-to" / "memory-plan"))
     parser.add_argument("--report", action="store_true", help="only the table, from the runs there are")
     parser.add_argument("--gpu-plans", action="store_true", help="only the GPU plans' table (gpu_plans.md)")
+    parser.add_argument("--replan", action="store_true", help="the runs there are against today's plan")
     args = parser.parse_args()
     out, names = Path(args.out), args.only or list(CASES)
     target = Path(args.report_dir)
@@ -139,10 +214,26 @@ def main() -> None:
     if args.gpu_plans:
         gpu_plans(target)
         return
-    if not args.report:
-        for name in names:
-            run_case(name, CASES[name], out)
-    rows = [compare(n, CASES[n], out / n) for n in CASES if (out / n / "metrics.json").is_file()]
+    ran = [n for n in CASES if (out / n / "metrics.json").is_file()]
+    if args.replan:  # the runs here, and the cases whose peaks cases.json recorded, against today's plan
+        recorded = {
+            r["case"]: r["measured_gib"] * GiB for r in json.loads((target / "cases.json").read_text())
+        }
+        rows = []
+        for name in [n for n in CASES if n in ran or n in recorded]:
+            run = out / name if name in ran else out / "replanned" / name
+            run.mkdir(parents=True, exist_ok=True)
+            replan(CASES[name], run)
+            rows.append(
+                compare(name, CASES[name], run, now=True, measured=0.0 if name in ran else recorded[name])
+            )
+            print(report(rows[-1:]).splitlines()[-1], flush=True)
+    else:
+        if not args.report:
+            for name in names:
+                run_case(name, CASES[name], out)
+            ran = [n for n in CASES if (out / n / "metrics.json").is_file()]
+        rows = [compare(n, CASES[n], out / n) for n in ran]
     (target / "cases.md").write_text(report(rows))
     (target / "cases.json").write_text(json.dumps(rows, indent=2))
     print(report(rows))

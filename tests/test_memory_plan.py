@@ -1,5 +1,5 @@
 """The memory plan's arithmetic against hand-computed values, its parameter counts against built models,
-and its fixes (loorl.models.memory_plan, loorl.models.plan_inputs)."""
+and its fixes (loorl.planning.memory, loorl.planning.inputs)."""
 
 from dataclasses import replace
 
@@ -7,9 +7,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from loorl.models.memory_plan import Architecture, GiB, Workload, cheapest_fix, make_plan, table, verdict
-from loorl.models.plan_inputs import architecture_of, lora_parameter_count
 from loorl.models.random_weights import config_from_fields
+from loorl.planning.fixes import cheapest_fix, verdict
+from loorl.planning.inputs import architecture_of, lora_parameter_count
+from loorl.planning.memory import Architecture, GiB, Workload, make_plan, table
 from loorl.util.paths import CONF_DIR
 
 # A small configuration whose every term is computed by hand below.
@@ -19,7 +20,8 @@ ARCH = Architecture(layers=2, hidden=8, intermediate=16, kv_heads=1, head_dim=4,
 # 2 prompts x K 2 a micro-batch, sequences of T = 6 tokens: n T = 24; chunks of c = 5 positions
 WORK = Workload(device="cpu", device_bytes=10**6, base_bytes=1000, master_bytes=4, compute_bytes=2,
                 ref_bytes=2, checkpointing=True, sequence_tokens=6, microbatch_tokens=24,
-                samples_per_prompt=2, chunk_tokens=5, engine="hf", generation_rows=4)  # fmt: skip
+                samples_per_prompt=2, chunk_tokens=5, engine="hf", generation_rows=4,
+                sampled_rows=4)  # fmt: skip
 
 
 def terms(plan):
@@ -36,13 +38,15 @@ def test_full_fine_tune_by_hand():
     assert got["checkpointed layer inputs"] == (2 * 24 * 8 * 4, 0)  # L n T h x 4 = 1536
     assert got["recomputed layer"] == (2 * 24 * (40 * 8 + 8 * 16), 0)  # 2 n T (40h + 8I) = 21504
     assert got["log-prob chunk"] == (5 * 10 * 12, 0)  # c V x 12 = 600
-    assert got["output layer's gradient buffers"] == (10 * 8 * (2 + 4), 0)  # V h (c + m) = 480
-    # AdamW's temporaries, 2 x the largest tensor x 4 = 1600, fit in the 26120 the backward freed
+    # on the CPU the float32 sum of the output layer's weight gradient [h, V] and its copy to [V, h]
+    assert got["output layer's gradient buffers"] == (10 * 8 * (4 + 4), 0)  # V h x 2m = 640
+    assert got["output layer's transposed copy"] == (10 * 8 * 2, 0)  # V h x c = 160 (CPU)
+    # AdamW's temporaries, 2 x the largest tensor x 4 = 1600, fit in the 26440 the backward freed
     assert got["AdamW step temporaries (beyond the backward's)"] == (0, 0)
     assert got["HF engine key/value cache"] == (0, 4 * 6 * 2 * 2 * 1 * 4 * 2)  # rows T L 2 kv d x 2 = 768
-    assert got["HF engine logits"] == (0, 4 * 10 * 6)  # rows V x 6 = 240
+    assert got["HF engine sampling step"] == (0, 4 * 10 * (2 + 28))  # sampled rows V x (c + 28) = 1200
     plan = make_plan(ARCH, WORK)
-    assert plan.training == 45120 and plan.generating == 18008 and plan.peak == 45120
+    assert plan.training == 45440 and plan.generating == 18968 and plan.peak == 45440
     assert plan.fits
 
 
@@ -86,10 +90,10 @@ def test_vllm_asleep_while_training_on_cuda_only():
 def test_cheapest_fix_is_the_first_single_change_that_fits():
     tight = replace(WORK, checkpointing=False, device_bytes=35000)
     plan = make_plan(ARCH, tight)
-    assert not plan.fits and plan.training == 45120 - 1536 - 21504 + 21504 == 43584
+    assert not plan.fits and plan.training == 45440 - 1536 - 21504 + 21504 == 43904
     fix = cheapest_fix(ARCH, tight)
-    assert fix.overrides == ("rl.prompts_per_microbatch=1",)  # checkpointing alone: 45120, too much
-    assert fix.training == 43584 - 21504 // 2 and fix.fits  # half the activations
+    assert fix.overrides == ("rl.prompts_per_microbatch=1",)  # checkpointing alone: 45440, too much
+    assert fix.training == 43904 - 21504 // 2 and fix.fits  # half the activations
     line = verdict(plan, fix)
     assert line.startswith("does not fit cpu") and "rl.prompts_per_microbatch=1 brings it to" in line
 
@@ -97,8 +101,8 @@ def test_cheapest_fix_is_the_first_single_change_that_fits():
 def test_changes_taken_together_when_none_fits_alone():
     tight = replace(WORK, device_bytes=16000)
     fix = cheapest_fix(ARCH, tight, lora_parameters=50)
-    assert fix is not None and fix.fits  # LoRA alone: 26672; with half the micro-batch: 15536
-    assert fix.training == 2000 + 800 + 2 * 12 * 8 * 2 + 2 * 12 * 448 + 600 + 1000 == 15536
+    assert fix is not None and fix.fits  # LoRA alone: 26832; with half the micro-batch: 15696
+    assert fix.training == 2000 + 800 + 2 * 12 * 8 * 2 + 2 * 12 * 448 + 600 + 160 + 1000 == 15696
     assert fix.overrides == ("rl.prompts_per_microbatch=1", "'model.lora={r: 16, base_dtype: bfloat16}'")
     assert cheapest_fix(ARCH, replace(WORK, device_bytes=100)) is None
     assert "no listed change makes it fit" in verdict(make_plan(ARCH, replace(WORK, device_bytes=100)), None)
@@ -111,15 +115,99 @@ def test_the_optimizer_step_beyond_the_backward_s_transients():
     step = "AdamW step temporaries (beyond the backward's)"
     # freed: inputs 1 x 8 x 4 x 2 layers = 64, recomputed 2 x 448 = 896, chunk 120, head 480, casts 2000
     assert terms(make_plan(ARCH, replace(small, device="cuda")))[step] == (4000 - 3560, 0)
-    # float32 on the CPU, largest tensor 400: 2 x 400 x 4 = 3200 against 64 + 2 x 576 + 120 + 320 = 1656
+    # float32 on the CPU, largest tensor 400: 2 x 400 x 4 = 3200 against the backward's 64 + 2 x 576 + 120
+    # and the output layer's gradient V h x 2m = 640 and transposed copy V h x 4 = 320: 2296
     f32 = replace(small, compute_bytes=4, master_bytes=4)
-    assert terms(make_plan(replace(ARCH, largest_parameter=400), f32))[step] == (3200 - 1656, 0)
+    assert terms(make_plan(replace(ARCH, largest_parameter=400), f32))[step] == (3200 - 2296, 0)
+
+
+def test_lora_over_a_float32_base_casts_its_weights_at_each_use():
+    """Autocast caches only the casts of weights that train: a frozen float32 base under bf16 is cast at
+    each use, the largest tensor (the output layer) held at once: in training (kept for the log-prob
+    backward) and at each decoding step of the HF engine; a bf16 base is not cast."""
+    f32_base = replace(WORK, lora=True, frozen_bytes=4)
+    cast = "autocast's per-use cast (frozen base)"
+    assert terms(make_plan(ARCH, f32_base))[cast] == (200 * 2, 200 * 2)  # the largest tensor x 2
+    assert terms(make_plan(ARCH, replace(f32_base, engine="vllm", vllm_bytes=10)))[cast] == (400, 0)
+    assert cast not in terms(make_plan(ARCH, replace(f32_base, frozen_bytes=2)))
+    assert cast not in terms(make_plan(ARCH, replace(f32_base, compute_bytes=4)))  # float32: no autocast
+    plan = make_plan(ARCH, f32_base)  # per use, it is gone by the optimizer step
+    assert terms(plan)["AdamW step temporaries (beyond the backward's)"] == (0, 0)
+
+
+def test_the_hf_engine_s_sampling_step_and_its_cache_length():
+    """A sampled decoding step holds the logits (c bytes), float32 scaled logits, log-probs and
+    probabilities and their float64 CDF (cumsum makes a float64 copy of its input first): V x (c + 28)
+    a row; a greedy one its logits. The cache holds prompt and completion rounded up to 64 positions
+    (buffers a later call of a like length reuses)."""
+    from loorl.planning.inputs import CACHE_BUCKET, hf_cache_tokens
+    from loorl.rollout.engines.decoding import CACHE_BUCKET as DECODING_BUCKET
+    from loorl.rollout.engines.decoding import static_cache_length
+
+    step = "HF engine sampling step"
+    assert terms(make_plan(ARCH, WORK))[step] == (0, 4 * 10 * 30)  # 4 sampled rows: 1200
+    assert terms(make_plan(ARCH, replace(WORK, sampled_rows=0)))[step] == (0, 4 * 10 * 2)  # greedy: 80
+    assert terms(make_plan(ARCH, replace(WORK, sampled_rows=1)))[step] == (0, 10 * 30)  # 300 > 80
+    f32 = replace(WORK, compute_bytes=4)
+    assert terms(make_plan(ARCH, f32))[step] == (0, 4 * 10 * 32)  # float32 logits: V x 32 a row
+    kv = terms(make_plan(ARCH, replace(WORK, cache_tokens=64)))["HF engine key/value cache"]
+    assert kv == (0, 4 * 64 * 2 * 2 * 1 * 4 * 2)  # rows T' L 2 kv d x 2 = 8192
+    assert CACHE_BUCKET == DECODING_BUCKET
+    assert hf_cache_tokens(6, "auto") == 64 == static_cache_length(1, 5)
+    assert hf_cache_tokens(65, "dynamic") == 128 and hf_cache_tokens(6, "static") == 6
+
+
+def test_the_output_layer_on_the_cpu_and_on_cuda():
+    """The CPU's matmul reads a transposed copy of the output layer's weight (V h x c) and sums its
+    gradient as float32 [h, V] before the copy to [V, h] (V h x 2m); CUDA reads a view and sums the
+    chunks' bf16 gradients as float32 [V, h] (V h x (c + m))."""
+    cpu, cuda = terms(make_plan(ARCH, WORK)), terms(make_plan(ARCH, replace(WORK, device="cuda")))
+    assert cpu["output layer's transposed copy"] == (160, 0) and "output layer's transposed copy" not in cuda
+    assert cpu["output layer's gradient buffers"] == (640, 0) and cuda["output layer's gradient buffers"] == (
+        480,
+        0,
+    )
+    lora = terms(make_plan(ARCH, replace(WORK, lora=True, frozen_bytes=2)))
+    assert (
+        lora["output layer's transposed copy"] == (160, 0) and "output layer's gradient buffers" not in lora
+    )
+
+
+def test_the_baseline_leaves_out_the_heap_s_free_memory():
+    """ "process before the model" is the resident set less what glibc's heap holds free: a model built
+    and dropped before the plan (on a fresh cache) is resident, free, and reused by the run."""
+    from loorl.planning.inputs import free_heap_bytes, process_before_the_model, resident_bytes
+    from loorl.util.allocator import keep_freed_memory
+
+    assert process_before_the_model(5000, 1200) == 3800 and process_before_the_model(100, 500) == 0
+    if not keep_freed_memory() or free_heap_bytes() == 0:
+        pytest.skip("needs glibc 2.33+ (mallopt, mallinfo2)")
+    before = process_before_the_model(resident_bytes(), free_heap_bytes())
+    dropped = torch.ones(64 * 2**20)  # 256 MiB, written, then freed and kept in the heap
+    del dropped
+    assert free_heap_bytes() >= 256 * 2**20  # kept (resident, with keep_freed_memory) and free
+    assert abs(process_before_the_model(resident_bytes(), free_heap_bytes()) - before) < 32 * 2**20
+
+
+def test_with_freed_memory_kept_sampling_s_buffers_add_to_training_where_they_outgrow_its_own():
+    """On the CPU under keep_freed_memory the heap keeps what training freed; the sampling step's float64
+    CDF, 4 rows x V 10 x 8 = 320 bytes, fits in none of training's freed buffers (a chunk's float32
+    logits 5 x 10 x 4 = 200, the output layer's copy V h x 2 = 160): the step is held on top of
+    training's 45440; the key/value cache's per-layer buffers fit."""
+    plan = make_plan(ARCH, replace(WORK, keeps_freed_memory=True))
+    assert (plan.training, plan.generating) == (45440, 18968)
+    assert plan.sampling_on_training and plan.peak == 45440 + 4 * 10 * 30 == 46640
+    assert make_plan(ARCH, WORK).peak == 45440
+    fits_in = make_plan(ARCH, replace(WORK, keeps_freed_memory=True, sampled_rows=2))  # 160 <= 200
+    assert not fits_in.sampling_on_training and fits_in.peak == fits_in.training == 45440
+    assert not make_plan(ARCH, replace(WORK, keeps_freed_memory=True, engine="vllm")).sampling_on_training
+    assert "peak, freed memory kept" in table(plan) and "freed memory kept" not in table(fits_in)
 
 
 def test_table_has_every_term_and_the_peak():
     text = table(make_plan(ARCH, WORK))
     assert text.count("\n") == len(make_plan(ARCH, WORK).terms) + 2
-    assert f"**{45120 / GiB:.2f}**" in text
+    assert f"**{45440 / GiB:.2f}**" in text
 
 
 def test_parameter_counts_are_the_built_models():
@@ -204,7 +292,7 @@ def test_plan_device_names_another_machine_s_device(quick_cfg):
     from loorl.cli.plan import memory_plan
     from loorl.config import check_config
     from loorl.errors import ConfigError
-    from loorl.models.plan_inputs import parse_plan_device
+    from loorl.planning.inputs import parse_plan_device
 
     assert parse_plan_device("cuda:80") == (True, 80 * GiB, 1)
     assert parse_plan_device("cuda:141x8") == (True, 141 * GiB, 8)
@@ -243,7 +331,7 @@ def test_the_processes_on_this_host_share_its_memory(quick_cfg, monkeypatch):
     LOCAL_WORLD_SIZE, srun's tasks, else trainer.devices), not over the whole run's."""
     from loorl.cli.plan import memory_plan
     from loorl.config import check_config
-    from loorl.models.plan_inputs import host_memory_bytes
+    from loorl.planning.inputs import host_memory_bytes
 
     cfg = quick_cfg()
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")

@@ -1,6 +1,6 @@
 """The memory plan at the start of a run: `plan=true` prints it and stops; otherwise a run predicted not
 to fit stops with one line and the fix (`memory_check=false` runs it anyway), and one that fits logs
-its verdict (`loorl.models.memory_plan` has the arithmetic)."""
+its verdict (`loorl.planning.memory` has the arithmetic)."""
 
 from __future__ import annotations
 
@@ -13,16 +13,17 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from loorl.errors import ConfigError
-from loorl.models.memory_plan import Plan, cheapest_fix, make_plan, table, verdict
-from loorl.models.plan_inputs import (
+from loorl.models.sources import model_config, tokenizer_at_hand
+from loorl.parallel.launch import lightning_launched_processes, processes_on_this_node
+from loorl.planning.fixes import cheapest_fix, verdict
+from loorl.planning.inputs import (
     architecture_of,
     longest_prompt,
     parse_plan_device,
     with_vllm,
     workload_of,
 )
-from loorl.models.sources import model_config, tokenizer_at_hand
-from loorl.parallel.launch import lightning_launched_processes, processes_on_this_node
+from loorl.planning.memory import Plan, make_plan, table
 
 log = logging.getLogger(__name__)
 

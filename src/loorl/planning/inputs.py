@@ -1,9 +1,11 @@
 """The memory plan's inputs from a run's settings: the model's `Architecture` (from its config alone, on
 the meta device: no weights, no download) and the `Workload` one process carries
-(`loorl.models.memory_plan` has the arithmetic)."""
+(`loorl.planning.memory` has the arithmetic)."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import os
 from pathlib import Path
@@ -11,7 +13,7 @@ from pathlib import Path
 import torch
 
 from loorl.models.lora import matches
-from loorl.models.memory_plan import CUDA_SLACK, Architecture, GiB, Workload
+from loorl.planning.memory import CUDA_SLACK, Architecture, GiB, Workload
 from loorl.settings.model import LORA_DEFAULT_TARGETS
 
 log = logging.getLogger(__name__)
@@ -68,8 +70,34 @@ def host_memory_bytes() -> int:
 
 
 def resident_bytes() -> int:
-    """This process's resident set now (what the CPU plan starts from)."""
+    """This process's resident set now."""
     return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _MallInfo2(ctypes.Structure):  # glibc's `struct mallinfo2` (malloc.h, glibc 2.33+)
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+                 "fordblks", "keepcost")]  # fmt: skip
+
+
+def free_heap_bytes() -> int:
+    """The bytes glibc's heaps hold free (`mallinfo2`: fordblks, all arenas); 0 where the C library is not
+    glibc 2.33 or newer. Under `keep_freed_memory` they stay resident, and the run's next allocations
+    are carved from them first."""
+    try:
+        mallinfo2 = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return 0
+    mallinfo2.restype = _MallInfo2
+    return int(mallinfo2().fordblks)
+
+
+def process_before_the_model(resident: int, free_in_heap: int) -> int:
+    """What the CPU plan starts from: the resident set less the heap's free bytes. A model built and
+    dropped before the plan (a tokenizer's GGUF model converted on a fresh cache, qwen05b's random
+    weights) leaves its memory resident and free, kept for the run's own tensors, which reuse it; counted
+    here it would be counted twice (the issue's 1.72 GiB on a fresh cache against 0.66 on a warm one)."""
+    return max(0, resident - free_in_heap)
 
 
 def cuda_memory_bytes() -> int:
@@ -123,10 +151,12 @@ def workload_of(
     per_step = max(1, rl.prompts_per_step * k // world)
     validation = rollout.eval_batch_size * max(1, s.run.val_pass_k)
     rows = min(rollout.batch_size, max(per_step, validation))
+    sampled = min(rollout.batch_size, max(per_step, validation if s.run.val_pass_k else 0))
     if on_cuda:
         device_bytes, base = device_bytes or cuda_memory_bytes(), CUDA_SLACK
     else:
-        device_bytes, base = (device_bytes or host_memory_bytes()) // processes_on_host, resident_bytes()
+        device_bytes = (device_bytes or host_memory_bytes()) // processes_on_host
+        base = process_before_the_model(resident_bytes(), free_heap_bytes())
     return Workload(
         device="cuda" if on_cuda else "cpu",
         device_bytes=device_bytes,
@@ -149,9 +179,24 @@ def workload_of(
         chunk_tokens=rl.logprob_chunk_tokens,
         engine=engine,
         generation_rows=rows,
+        sampled_rows=sampled,
+        cache_tokens=hf_cache_tokens(sequence_tokens, rollout.hf_decode),
         vllm_bytes=0,  # set by `with_vllm` once the parameters are counted
         vllm_asleep_in_training=bool((rollout.vllm or {}).get("sleep_level")),
+        keeps_freed_memory=not on_cuda and s.run.keep_freed_memory in (True, "auto"),
     )
+
+
+CACHE_BUCKET = 64  # loorl.rollout.engines.decoding's: the HF engine's cache length is a multiple of it
+
+
+def hf_cache_tokens(sequence_tokens: int, hf_decode: str) -> int:
+    """The positions the HF engine's key/value cache holds a row: prompt and completion, rounded up to
+    `CACHE_BUCKET` (a dynamic cache's buffers, where rows that end leave them, and a compiled step's
+    static cache; `auto` is one of them), exact for `rollout.hf_decode=static`."""
+    if hf_decode == "static":
+        return sequence_tokens
+    return -(-sequence_tokens // CACHE_BUCKET) * CACHE_BUCKET
 
 
 def with_vllm(w: Workload, arch: Architecture, vllm: dict | None, model_dtype: str) -> Workload:

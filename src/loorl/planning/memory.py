@@ -12,7 +12,9 @@ micro-batch):
   an adapter parameter. Gradients are freed after each optimizer step (Lightning zeroes with
   `set_to_none`), so the generation phase holds the rest.
 - autocast's weight casts: under bf16 autocast over float32 trainable weights, torch caches each cast
-  for the forward pass, 2Ψ/N (frozen weights are not cached: LoRA's base is cast per use).
+  for the forward pass, 2Ψ/N (frozen weights are not cached: LoRA's float32 base is cast at each use,
+  its largest tensor, the output layer, held at once: in training, kept for the log-prob backward, and
+  at every decoding step).
 - the reference: Ψ/N in `model.ref_dtype` when a KL term needs one, unless offloaded (host) or LoRA
   (the base with the adapters off).
 - FSDP's gathered units (N > 1): the root group (embeddings and output layer) gathered in float32 with
@@ -20,21 +22,28 @@ micro-batch):
 - activations of a micro-batch: checkpointed, the layer inputs, L n T h r (r: the residual stream's
   bytes) and one layer recomputed with its gradients, 2 n T (32h + 8I); without checkpointing every
   layer's saved tensors, L n T (16h + 4I); one chunk of c output positions' logits, c V 12
-  (`rl.logprob_chunk_tokens`).
-- generation: the HF engine's key/value cache, rows x T x L x 2 x kv_heads x head_dim in the compute
-  dtype, and a step's logits, rows x V x 6; vLLM in process: its share of the GPU
+  (`rl.logprob_chunk_tokens`); on the CPU the output layer's weight transposed for the matmul, V h c.
+- generation: the HF engine's key/value cache, rows x T' x L x 2 x kv_heads x head_dim in the compute
+  dtype (T' the sequence rounded up to 64 positions, the buffers' length), and a sampled step's
+  logits, float32 scaled logits, log-probs, probabilities and float64 CDF (with the float64 copy
+  `cumsum` makes of its input), rows x V x (c + 28); vLLM in process: its share of the GPU
   (`gpu_memory_utilization`), on CPU its weights in its dtype and `kv_cache_memory_gb`.
 - the rest: on CUDA the context and the allocator's slack, 2 GiB; on CPU the process's resident set
-  before the model loads (the interpreter, torch, transformers), measured when the plan is made.
+  before the model loads (the interpreter, torch, transformers) less what glibc's heap holds free,
+  measured when the plan is made.
 
-Pure functions over two records (`Architecture`, `Workload`); `loorl.models.plan_inputs` fills them
+The peak is the larger phase's, except on the CPU under `keep_freed_memory` where the sampling step's
+float64 buffers outgrow training's largest freed one: the heap cannot reuse training's memory for them,
+and they sit on top of it (`phases_add`).
+
+Pure functions over two records (`Architecture`, `Workload`); `loorl.planning.inputs` fills them
 from the settings. Every term is an estimate: docs/how-to/memory-plan.md compares them with measured
 peaks.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 GiB = 2**30
 CUDA_SLACK = 2 * GiB  # the CUDA context and the caching allocator's fragments (docs/performance/7b.md)
@@ -80,8 +89,11 @@ class Workload:
     chunk_tokens: int = 512  # c: rl.logprob_chunk_tokens
     engine: str = "hf"  # hf | vllm | vllm_server (elsewhere: nothing here)
     generation_rows: int = 1  # sequences the HF engine decodes at once (training rollouts, validation)
+    sampled_rows: int = 0  # of them, those sampled (rollouts, pass@k), not greedy; they hold the sampler's
+    cache_tokens: int = 0  # the HF engine's key/value positions a row (rounded up to a bucket); 0: T
     vllm_bytes: int = 0  # vLLM's share in this process (GPU: utilisation x memory; CPU: weights + cache)
     vllm_asleep_in_training: bool = True  # sleep mode frees it while the policy trains
+    keeps_freed_memory: bool = False  # CPU `run.keep_freed_memory`: what a phase frees stays resident
 
 
 @dataclass(frozen=True)
@@ -98,6 +110,7 @@ class Plan:
     device: str
     device_bytes: int
     overrides: tuple[str, ...] = field(default=())  # the changes this plan is of (a fix's plan)
+    sampling_on_training: bool = False  # the sampling step held on top of training's peak (`phases_add`)
 
     @property
     def training(self) -> float:
@@ -109,6 +122,11 @@ class Plan:
 
     @property
     def peak(self) -> float:
+        """The larger phase's total; where the sampling step's buffers do not fit in what training freed
+        (`phases_add`), training's total with the sampling step on top, if larger."""
+        if self.sampling_on_training:
+            sampling = sum(t.generating for t in self.terms if t.name == "HF engine sampling step")
+            return max(self.training + sampling, self.generating)
         return max(self.training, self.generating)
 
     @property
@@ -135,6 +153,18 @@ def training_state(a: Architecture, w: Workload) -> list[Term]:
                 "AdamW moments", 2 * shard * on_device, 2 * shard * on_device, f"Ψ x {2 * w.master_bytes} / N"
             ),
         ]
+    if w.lora and w.compute_bytes < w.frozen_bytes:  # autocast does not cache a frozen weight's cast: each
+        # use casts it anew; the largest (the output layer) is held at once, kept for the log-prob
+        # backward in training and made at every decoding step of the HF engine
+        cast = a.largest_parameter * w.compute_bytes
+        terms.append(
+            Term(
+                "autocast's per-use cast (frozen base)",
+                cast,
+                cast if w.engine == "hf" else 0.0,
+                f"the largest tensor x {w.compute_bytes}",
+            )  # fmt: skip
+        )
     casts = not w.lora and w.compute_bytes < w.master_bytes
     if casts:  # cached for the forward pass (training) and for a whole HF generate call, which
         # generates from the whole policy (gathered under FSDP)
@@ -188,13 +218,15 @@ def activations(a: Architecture, w: Workload) -> list[Term]:
         terms = [Term("layer activations", a.layers * per_layer, 0.0, f"L n T {width_how}")]
     chunk = min(w.chunk_tokens, nt) * a.vocab * 12
     terms.append(Term("log-prob chunk", chunk, 0.0, "c V x 12"))
-    if not w.lora:  # the output layer's weight gradient of a chunk, in the compute dtype and as float32
-        head = (
-            a.vocab
-            * h
-            * (w.compute_bytes + w.master_bytes if w.compute_bytes < w.master_bytes else w.master_bytes)
-        )
-        terms.append(Term("output layer's gradient buffers", head / w.shards, 0.0, "V h x (c + m) / N"))
+    if w.device == "cpu":  # the CPU matmul wants the output layer's weight untransposed: a copy a pass
+        terms.append(Term("output layer's transposed copy", a.vocab * h * w.compute_bytes, 0.0, "V h x c"))
+    if not w.lora:
+        if w.device == "cpu":  # the weight's gradient summed as float32 [h, V], then copied to [V, h]
+            head, head_how = a.vocab * h * 2 * w.master_bytes, "V h x 2m / N"
+        else:  # a chunk's weight gradient in the compute dtype and the float32 sum
+            c_m = w.compute_bytes + w.master_bytes if w.compute_bytes < w.master_bytes else w.master_bytes
+            head, head_how = a.vocab * h * c_m, "V h x (c + m) / N"
+        terms.append(Term("output layer's gradient buffers", head / w.shards, 0.0, head_how))
     return terms
 
 
@@ -211,12 +243,17 @@ def optimizer_step(a: Architecture, w: Workload, freed: float) -> list[Term]:
 
 def generation(a: Architecture, w: Workload) -> list[Term]:
     if w.engine == "hf":
-        rows = w.generation_rows
-        kv = rows * w.sequence_tokens * a.layers * 2 * a.kv_heads * a.head_dim * w.compute_bytes
-        logits = rows * a.vocab * 6
+        rows, c = w.generation_rows, w.compute_bytes
+        positions = w.cache_tokens or w.sequence_tokens
+        kv = rows * positions * a.layers * 2 * a.kv_heads * a.head_dim * c
+        # a sampled step holds its logits (compute dtype), the float32 scaled logits and log-probs, and
+        # in `sample_tokens` the probabilities (float32) and their CDF, for which `cumsum(dtype=float64)`
+        # makes a float64 copy of its input: c + 4 + 4 + 4 + 8 + 8 bytes an entry (measured: 20 bytes
+        # an entry in `sample_tokens`); a greedy step holds its logits only
+        step = a.vocab * max(w.sampled_rows * (c + 28), rows * c)
         return [
-            Term("HF engine key/value cache", 0.0, kv, f"rows T L 2 kv d x {w.compute_bytes}"),
-            Term("HF engine logits", 0.0, logits, "rows V x 6"),
+            Term("HF engine key/value cache", 0.0, kv, f"rows T' L 2 kv d x {c} (T' rounded up to 64)"),
+            Term("HF engine sampling step", 0.0, step, f"sampled rows V x ({c} + 28); greedy rows V x {c}"),
         ]
     if w.engine == "vllm":
         training = 0.0 if (w.vllm_asleep_in_training and w.device == "cuda") else w.vllm_bytes
@@ -228,7 +265,7 @@ def generation(a: Architecture, w: Workload) -> list[Term]:
 def make_plan(a: Architecture, w: Workload, overrides: tuple[str, ...] = ()) -> Plan:
     base = "CUDA context and slack" if w.device == "cuda" else "process before the model (measured)"
     state, transient = training_state(a, w), activations(a, w)
-    casts = [t for t in state if t.name == "autocast weight casts"]
+    casts = [t for t in state if t.name in ("autocast weight casts", "autocast's per-use cast (frozen base)")]
     freed = sum(t.training for t in [*transient, *casts])  # gone when the optimizer steps
     terms = [
         *state,
@@ -239,96 +276,24 @@ def make_plan(a: Architecture, w: Workload, overrides: tuple[str, ...] = ()) -> 
         *generation(a, w),
         Term(base, w.base_bytes, w.base_bytes, "fixed"),
     ]
-    return Plan(tuple(terms), w.device, w.device_bytes, overrides)
+    return Plan(tuple(terms), w.device, w.device_bytes, overrides, sampling_on_training=phases_add(a, w))
 
 
-def candidate_fixes(
-    a: Architecture, w: Workload, *, devices_on_node: int
-) -> list[tuple[tuple[str, ...], Workload]]:
-    """The changes that lower the peak, cheapest first (speed and the method kept before memory):
-    vLLM's share, activation checkpointing, smaller micro-batches, the reference in host memory, FSDP
-    over the node's GPUs, LoRA, and the training state offloaded to the CPU."""
-    out: list[tuple[tuple[str, ...], Workload]] = []
-    if w.engine == "vllm" and w.device == "cuda":
-        for share in (0.3, 0.2):
-            if w.vllm_bytes > share * w.device_bytes:
-                out.append(
-                    (
-                        (f"rollout.vllm.gpu_memory_utilization={share}",),
-                        replace(w, vllm_bytes=int(share * w.device_bytes)),
-                    )
-                )
-    if not w.checkpointing:
-        out.append((("model.gradient_checkpointing=true",), replace(w, checkpointing=True)))
-    out.extend(smaller_microbatches(w))
-    if w.ref_bytes and w.ref_on_device and not w.lora and w.device == "cuda":
-        out.append((("model.ref_offload=true",), replace(w, ref_on_device=False)))
-    if w.device == "cuda":
-        shards = 2
-        while shards <= devices_on_node:
-            if shards > w.shards:
-                out.append(((f"strategy=fsdp trainer.devices={shards}",), replace(w, shards=shards)))
-            shards *= 2
-    if not w.lora:
-        lora = replace(w, lora=True, frozen_bytes=w.compute_bytes)
-        out.append(
-            (
-                (f"'model.lora={{r: 16, base_dtype: {'bfloat16' if w.compute_bytes == 2 else 'float32'}}}'",),
-                lora,
-            )
-        )
-    if w.device == "cuda" and not w.lora and not w.offload:
-        out.append((("strategy=fsdp trainer.strategy.offload_params=true",), replace(w, offload=True)))
-    return out
-
-
-def smaller_microbatches(w: Workload) -> list[tuple[tuple[str, ...], Workload]]:
-    """Micro-batches halved down to one group (padded) or one longest sequence (packed)."""
-    out = []
-    if w.packed:
-        cap = w.microbatch_tokens
-        while cap // 2 >= w.sequence_tokens:
-            cap //= 2
-            out.append(((f"rl.microbatch_tokens={cap}",), replace(w, microbatch_tokens=cap)))
-        return out
-    group = w.samples_per_prompt * w.sequence_tokens
-    prompts = w.microbatch_tokens // group
-    while prompts > 1:
-        prompts //= 2
-        out.append(((f"rl.prompts_per_microbatch={prompts}",), replace(w, microbatch_tokens=prompts * group)))
-    return out
-
-
-def cheapest_fix(
-    a: Architecture, w: Workload, *, devices_on_node: int = 1, lora_parameters: int = 0
-) -> Plan | None:
-    """The plan of the first single change that fits, else of the changes taken together in order
-    until they fit; None when nothing listed fits. `lora_parameters`: the adapters LoRA would add
-    (r 16 on the default targets)."""
-    fixes = candidate_fixes(a, w, devices_on_node=devices_on_node)
-    arch = {True: replace(a, lora_parameters=lora_parameters or a.lora_parameters), False: a}
-    for overrides, changed in fixes:
-        plan = make_plan(arch[changed.lora], changed, overrides)
-        if plan.fits:
-            return plan
-    taken: tuple[str, ...] = ()
-    current = w
-    for overrides, changed in fixes:  # together: each change applied on top of the ones before
-        merged = _merge(current, w, changed)
-        taken += overrides
-        current = merged
-        plan = make_plan(arch[current.lora], current, taken)
-        if plan.fits:
-            return plan
-    return None
-
-
-def _merge(current: Workload, original: Workload, changed: Workload) -> Workload:
-    """`current` with the fields `changed` altered from `original`."""
-    diffs = {k: v for k, v in vars(changed).items() if getattr(original, k) != v}
-    if "microbatch_tokens" in diffs:
-        diffs["microbatch_tokens"] = min(diffs["microbatch_tokens"], current.microbatch_tokens)
-    return replace(current, **diffs)
+def phases_add(a: Architecture, w: Workload) -> bool:
+    """Whether the sampling step adds to training's peak instead of taking turns with it: on the CPU
+    under `keep_freed_memory` the heap keeps what training freed, and the HF engine's sampling buffers
+    (the float64 CDF of the sampled rows, rows x V x 8) reuse it only where they fit in training's
+    largest freed buffer (a log-prob chunk's float32 logits, or the output layer's copy); the key/value
+    cache's per-layer buffers fit. qwen05b, LoRA over a float32 base, 512 rows (622 MB buffers against
+    311): generation rose 2.96 GB above what training had left resident; 32 rows (39 MB): the run's
+    peak was training's."""
+    if not w.keeps_freed_memory or w.engine != "hf":
+        return False
+    sampling = w.sampled_rows * a.vocab * 8
+    training = max(
+        min(w.chunk_tokens, w.microbatch_tokens) * a.vocab * 4, a.vocab * a.hidden * w.compute_bytes
+    )
+    return sampling > training
 
 
 def table(plan: Plan) -> str:
@@ -337,15 +302,8 @@ def table(plan: Plan) -> str:
     for t in plan.terms:
         rows.append(f"| {t.name} | {t.training / GiB:.2f} | {t.generating / GiB:.2f} | {t.how} |")
     rows.append(f"| **peak** | **{plan.training / GiB:.2f}** | **{plan.generating / GiB:.2f}** | |")
+    if plan.sampling_on_training:
+        rows.append(
+            f"| **peak, freed memory kept** | **{plan.peak / GiB:.2f}** | | training + sampling step |"
+        )
     return "\n".join(rows)
-
-
-def verdict(plan: Plan, fix: Plan | None) -> str:
-    """One line: whether the plan fits the device, and else the change that makes it fit."""
-    where = f"{plan.device} ({plan.device_bytes / GiB:.1f} GiB)"
-    if plan.fits:
-        return f"fits {where}: peak {plan.peak / GiB:.2f} GiB"
-    head = f"does not fit {where}: peak {plan.peak / GiB:.2f} GiB"
-    if fix is None:
-        return head + "; no listed change makes it fit (a larger device, or a smaller model)"
-    return f"{head}; {' '.join(fix.overrides)} brings it to {fix.peak / GiB:.2f} GiB"
