@@ -73,7 +73,8 @@ def main(cache: str, groups_per_pass: int) -> None:
     dm.setup("fit")
     before = host_peak_bytes() / 1024  # KiB
     dm.engine.sync(module.policy)
-    batch, _ = module.with_advantages(dm.rollout_for_step(step=0).batch)  # generation, reference and old log-probs
+    rollout = dm.rollout_for_step(step=0)  # generation
+    batch, _ = module.with_advantages(rollout.batch)  # reference and old log-probs
     after = host_peak_bytes() / 1024  # ru_maxrss would lose the peaks before the phases' restarts
     assert batch.ref_logprobs is not None and batch.old_logprobs is not None
     print(json.dumps({

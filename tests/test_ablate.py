@@ -1,4 +1,4 @@
-"""`scripts/ablate.py`: a real Hydra multirun (2 settings x 2 seeds, logged to csv and offline wandb)
+"""`scripts/research/ablate.py`: a real Hydra multirun (2 settings x 2 seeds, logged to csv and offline wandb)
 turned into a table, a JSON record and curves; `--from` reads it again; the pure statistics by hand."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from loorl.research.jobs import Job, cost_before, cost_through, group_settings
 from loorl.research.stats import mean_ci
 
 ROOT = Path(__file__).resolve().parents[1]
-ABLATE = [sys.executable, str(ROOT / "scripts" / "ablate.py")]
+ABLATE = [sys.executable, str(ROOT / "scripts" / "research" / "ablate.py")]
 # the sweep logs to offline wandb too where wandb is installed (a GPU node may lack it)
 LOGGERS = "logger=[csv,wandb]" if installed("wandb") else "logger=[csv]"
 

@@ -1,4 +1,4 @@
-"""scripts/arithmetic_errors.py: each kind of wrong answer to a + b is told apart, and a run folder's
+"""scripts/research/arithmetic_errors.py: each kind of wrong answer to a + b is told apart, and a run folder's
 samples.csv and metrics.csv give the table the how-to page shows (docs/how-to/cpu-real-model.md)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "arithmetic_errors.py"
+_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "research" / "arithmetic_errors.py"
 _spec = importlib.util.spec_from_file_location("arithmetic_errors", _SCRIPT)
 errors = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(errors)

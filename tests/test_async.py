@@ -2,7 +2,7 @@
 trains (in a sampler process of its own, `rollout.devices=auto`), the loss corrects for the lag with the
 sampler's log-probs, runs repeat exactly, the sampler process changes where the samples are drawn but
 not what they are, and a resume trains on the rollout that was sampled ahead (it is in the checkpoint).
-How fast it is: `scripts/bench_async.py` (docs/how-to/one-step-off.md)."""
+How fast it is: `scripts/bench/bench_async.py` (docs/how-to/one-step-off.md)."""
 
 from __future__ import annotations
 

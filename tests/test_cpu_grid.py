@@ -1,4 +1,4 @@
-"""scripts/cpu_grid.py: the default run under each CPU kernel capability, in subprocesses."""
+"""scripts/research/cpu_grid.py: the default run under each CPU kernel capability, in subprocesses."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "cpu_grid.py"
+SCRIPT = ROOT / "scripts" / "research" / "cpu_grid.py"
 
 
 def _grid(out: Path, *args: str, timeout: int) -> subprocess.CompletedProcess:

@@ -10,7 +10,7 @@ from warning_origins import loorl_deprecations
 
 
 def test_default_run_gains_25_points_of_held_out_accuracy(make_config, tmp_path):
-    """The bar every run of `scripts/cpu_grid.py` met (3 CPU kernel capabilities x 5 warm-start seeds
+    """The bar every run of `scripts/research/cpu_grid.py` met (3 CPU kernel capabilities x 5 warm-start seeds
     x 3 RL seeds): +25 points, at least 90% at the end, and no end-of-run dip below the best. A CPU
     bar, so the run stays on the CPU on a GPU node too (one H100 run went 59.0% -> 96.0% on CUDA, but
     CUDA runs do not repeat bitwise and no grid of them was run). On the way, no call of loorl's raises

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 from fixtures import needs
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "scripts" / "dev"))
 import config_reference  # noqa: E402  (scripts/ is not a package)
 
 needs_mkdocs = needs("mkdocs", what="MkDocs Material (.[docs], part of the README's test install)")
@@ -52,9 +52,9 @@ def reference_keys() -> dict[str, set[str]]:
 
 
 def test_the_config_reference_is_what_conf_says():
-    """docs/reference/config.md is scripts/config_reference.py's output for today's conf/."""
+    """docs/reference/config.md is scripts/dev/config_reference.py's output for today's conf/."""
     assert config_reference.PAGE.read_text() == config_reference.render(), (
-        "docs/reference/config.md is out of date: run python scripts/config_reference.py"
+        "docs/reference/config.md is out of date: run python scripts/dev/config_reference.py"
     )
 
 

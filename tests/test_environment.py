@@ -557,12 +557,13 @@ TRL_PYTHON = LOORL_CACHE / "trl-venv" / "bin" / "python"
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not TRL_PYTHON.exists(), reason="TRL's venv is absent (scripts/bench_vs_trl.py makes it)")
+@pytest.mark.skipif(not TRL_PYTHON.exists(), reason="no TRL venv (scripts/bench/bench_vs_trl.py makes it)")
 def test_the_worked_environment_runs_unchanged_in_trls_grpo_trainer(tmp_path):
     """examples/environments/sum_calculator.py, as it is, in TRL's GRPOTrainer(environment_factory=...):
-    two GRPO steps with its tool called (scripts/trl_environment.py)."""
-    cmd = [str(TRL_PYTHON), str(ROOT / "scripts" / "trl_environment.py"), str(EXAMPLES / "sum_calculator.py"),
-           "SumCalculatorEnv", "--out", str(tmp_path), "--steps", "2"]  # fmt: skip
+    two GRPO steps with its tool called (scripts/peers/trl_environment.py)."""
+    script = ROOT / "scripts" / "peers" / "trl_environment.py"
+    cmd = [str(TRL_PYTHON), str(script), str(EXAMPLES / "sum_calculator.py"), "SumCalculatorEnv",
+           "--out", str(tmp_path), "--steps", "2"]  # fmt: skip
     env = dict(os.environ, TRL_EXPERIMENTAL_SILENCE="1", TOKENIZERS_PARALLELISM="false")
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -113,6 +113,6 @@ def test_the_probes_command_line_checks_its_options_in_one_line(tmp_path):
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "grad_variance.py"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "research" / "grad_variance.py"
     done = subprocess.run([sys.executable, str(script), "--samples", "1"], capture_output=True, text=True)
     assert done.returncode == 2 and "--samples must be at least 2" in done.stderr.splitlines()[-1]

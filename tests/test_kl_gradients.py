@@ -1,7 +1,7 @@
 """A KL term must have a KL gradient: exact expectations over every sequence, no sampling.
 
 The enumeration (a tiny autoregressive policy with free logits, a fixed reference) lives in
-scripts/kl_gradient_table.py, which prints the same comparison as a table.
+scripts/research/kl_gradient_table.py, which prints the same comparison as a table.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from loorl.algo.kl import KL_ESTIMATORS, KL_ESTIMATORS_BY_PLACEMENT, check_kl_placement, kl_per_token
 from loorl.errors import ConfigError
 
-_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "kl_gradient_table.py"
+_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "research" / "kl_gradient_table.py"
 _spec = importlib.util.spec_from_file_location("kl_gradient_table", _SCRIPT)
 table = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(table)

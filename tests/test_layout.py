@@ -1,5 +1,5 @@
 """The tree reads like the architecture: no module imports from a layer above its own, no cycles,
-imports under `if TYPE_CHECKING:` included (scripts/import_graph.py, docs/reference/layout.md)."""
+imports under `if TYPE_CHECKING:` included (scripts/dev/import_graph.py, docs/reference/layout.md)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def import_graph(*args: str) -> str:
-    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "import_graph.py"), *args],
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "dev" / "import_graph.py"), *args],
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 0, done.stderr
     return done.stdout
@@ -97,10 +97,13 @@ def test_the_layout_page_names_every_module_in_its_folders_entry():
 def test_the_layout_page_names_every_script_and_nothing_that_is_gone():
     text = LAYOUT.read_text()
     block = text.split("```\n", 2)[1]
-    scripts = {p.name for p in (ROOT / "scripts").iterdir() if p.suffix == ".py" or p.is_dir()} - {
-        "__pycache__"
-    }
-    assert not [s for s in sorted(scripts) if f"scripts/{s}" not in block]
+    groups = [p for p in (ROOT / "scripts").iterdir() if p.is_dir() and p.name != "__pycache__"]
+    loose = [p.name for p in (ROOT / "scripts").iterdir() if p.is_file()]
+    assert not loose, f"scripts/ holds folders by purpose (bench, research, ...), not {loose}"
+    for group in groups:
+        assert f"scripts/{group.name}/" in block, f"layout.md does not head the scripts/{group.name}/ folder"
+        files = [p.name for p in group.iterdir() if p.suffix in (".py", ".sh", ".sbatch")]
+        assert not [f for f in sorted(files) if f not in block], (group.name, files)
     for header in layout_entries(text):  # the src/loorl/ entries' files and folders exist
         for name in header.split(", "):
             assert (ROOT / "src" / "loorl" / name).exists(), (

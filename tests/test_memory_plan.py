@@ -307,7 +307,7 @@ def test_plan_device_names_another_machine_s_device(quick_cfg):
         check_config(quick_cfg("plan_device=h100"))
 
 
-# ---- against the measured peak (scripts/plan_vs_peak.py's cases) -----------------------------------
+# ---- against the measured peak (scripts/bench/plan_vs_peak.py's cases) -----------------------------------
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["smollm2_full_float32", "qwen05b_random_lora"])
 def test_the_plan_is_within_15_percent_of_the_measured_peak(case, tmp_path):
@@ -316,7 +316,7 @@ def test_the_plan_is_within_15_percent_of_the_measured_peak(case, tmp_path):
     import importlib.util
     import sys
 
-    path = CONF_DIR.parent / "scripts" / "plan_vs_peak.py"
+    path = CONF_DIR.parent / "scripts" / "bench" / "plan_vs_peak.py"
     spec = importlib.util.spec_from_file_location("plan_vs_peak", path)
     script = importlib.util.module_from_spec(spec)
     sys.modules["plan_vs_peak"] = script

@@ -182,8 +182,8 @@ WIDER = ["model.tiny.hidden_size=512", "model.tiny.intermediate_size=2048", "mod
 
 @pytest.fixture(scope="module")
 def sweep(model_cache, tmp_path_factory) -> Path:
-    """Four jobs of one setting in one process (`python src/train.py -m`), as `scripts/ablate.py` runs
-    them."""
+    """Four jobs of one setting in one process (`python src/train.py -m`), as
+    `scripts/research/ablate.py` runs them."""
     out = tmp_path_factory.mktemp("sweep")
     command = [sys.executable, str(ROOT / "src" / "train.py"), "-m", "seed=0,0,0,0", "debug=quick",
                "rollout=hf", f"model.cache_dir={model_cache}", *WIDER, "val_every=100",

@@ -1,5 +1,5 @@
-"""The performance tooling: the phase clock and its FLOP attribution (scripts/profile_step.py), the
-allocator setting, and the benchmark's measurement helpers (scripts/bench_vs_trl.py)."""
+"""The performance tooling: the phase clock and its FLOP attribution (scripts/bench/profile_step.py), the
+allocator setting, and the benchmark's measurement helpers (scripts/bench/bench_vs_trl.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # a dataclass in the script looks its module up there
     spec.loader.exec_module(module)
@@ -67,7 +67,7 @@ def test_gpu_busy_seconds_count_kernels_not_the_phases_own_ranges():
 
 
 def test_the_generation_limits_are_the_hand_computed_ones():
-    """scripts/bench_engines.py's limits on a shape worked by hand: 1,000 linear weights, 2 layers of
+    """scripts/bench/bench_engines.py's limits on a shape worked by hand: 1,000 linear weights, 2 layers of
     2 query heads and 1 key/value head of width 8, 4 rows at a mean context of 10, 2-byte values."""
     bench = _script("bench_engines")
     shape = bench.Shape(rows=4, context=10, linear_weights=1000, layers=2, heads=2, kv_heads=1, head_dim=8,
@@ -105,10 +105,10 @@ def test_a_models_shape_counts_its_linear_weights_and_its_heads():
 
 @pytest.mark.slow
 def test_the_generation_bench_times_a_path_and_splits_its_call(model_cache, tmp_path):
-    """scripts/bench_engines.py end to end on the quick tiny model: a row with a rate under the
+    """scripts/bench/bench_engines.py end to end on the quick tiny model: a row with a rate under the
     limit, and the profiled call's split."""
     out = tmp_path / "engines.md"
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_engines.py"), "--works", "tiny"]
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench" / "bench_engines.py"), "--works", "tiny"]
     cmd += ["--paths", "hf:dynamic", "--repeats", "1", "--profile", "--out", str(out)]
     cmd += ["debug=quick", f"model.cache_dir={model_cache}"]
     done = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
@@ -302,7 +302,8 @@ def test_a_trl_python_without_trl_is_refused(tmp_path):
 
 
 def test_the_script_refuses_a_missing_trl_python_in_one_line_before_anything_runs(tmp_path):
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_vs_trl.py"), "--trl-python", str(tmp_path / "nope"),
+    script = ROOT / "scripts" / "bench" / "bench_vs_trl.py"
+    cmd = [sys.executable, str(script), "--trl-python", str(tmp_path / "nope"), 
            "--venv", str(tmp_path / "venv"), "--out", str(tmp_path / "out")]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == ""
@@ -315,14 +316,15 @@ def test_trl_peer_runs_one_step_on_the_tiny_model(tmp_path):
     """TRL's RLOOTrainer on loorl's default work (its own venv; created from the package index)."""
     bench = _script("bench_vs_trl")
     python = bench.ensure_trl_venv(tmp_path / "venv")
-    subprocess.run([str(python), str(ROOT / "scripts" / "trl_rloo.py"), "--out", str(tmp_path / "run"),
+    script = ROOT / "scripts" / "peers" / "trl_rloo.py"
+    subprocess.run([str(python), str(script), "--out", str(tmp_path / "run"),
                     "rl.steps=2"], check=True, cwd=ROOT)  # fmt: skip
     metrics = json.loads((tmp_path / "run" / "trl_metrics.json").read_text())
     assert len(metrics["timing"]["step"]) == 2 and metrics["prompt_tokens_as_loorl"]
     assert (tmp_path / "run" / "policy" / "config.json").exists()
 
 
-# ---- LoRA weights into vLLM: merged stream against vLLM's own LoRA (scripts/bench_lora_sync.py) ----
+# ---- LoRA weights into vLLM: merged stream against vLLM's own LoRA (scripts/bench/bench_lora_sync.py) ----
 def test_lora_sync_bench_arguments():
     bench = _script("bench_lora_sync")
     args, overrides = bench.parse_args(["--syncs", "2", "model.lora.r=8"])
@@ -342,7 +344,8 @@ def test_lora_sync_bench_runs_both_paths_on_the_tiny_model(tmp_path, model_cache
     HF adapted policy's on most prompts (float rounding differs between the two ways of applying B @ A)."""
     pytest.importorskip("vllm")
     out = tmp_path / "lora_sync.md"
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_lora_sync.py"), "--syncs", "1", "--out", str(out),
+    script = ROOT / "scripts" / "bench" / "bench_lora_sync.py"
+    cmd = [sys.executable, str(script), "--syncs", "1", "--out", str(out),
            "model=tiny", "task=arithmetic", "model.lora={r: 4}", f"model.cache_dir={model_cache}",
            "model.dtype=float32"]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
@@ -358,7 +361,7 @@ def test_lora_sync_bench_runs_both_paths_on_the_tiny_model(tmp_path, model_cache
         assert agree >= 80, row
 
 
-# ---- scripts/bench_memory_slope.py --------------------------------------------------------------
+# ---- scripts/bench/bench_memory_slope.py --------------------------------------------------------------
 def test_memory_slope_takes_each_steps_largest_phase_peak_and_fits_by_hand():
     slope = _script("bench_memory_slope")
     history = {

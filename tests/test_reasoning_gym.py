@@ -238,7 +238,7 @@ def test_training_prompts_over_the_length_limit_are_drawn_again_and_counted_thro
 
 
 def test_the_answers_table_counts_each_answer_given_and_the_best_constant(tmp_path):
-    """scripts/reasoning_gym_table.py --answers: per answer given, how often and how often right (the
+    """scripts/research/reasoning_gym_table.py --answers: per answer given, how often and how often right (the
     run's own grading), at the first and last validation, beside the best constant answer's accuracy;
     what showed letter_counting's, gcd's and count_bits' gains to be one answer given to every problem
     (docs/how-to/reasoning-gym.md)."""
@@ -248,7 +248,7 @@ def test_the_answers_table_counts_each_answer_given_and_the_best_constant(tmp_pa
 
     from omegaconf import OmegaConf
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "reasoning_gym_table.py"
+    script = Path(__file__).resolve().parents[1] / "scripts" / "research" / "reasoning_gym_table.py"
     spec = importlib.util.spec_from_file_location("reasoning_gym_table", script)
     table = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(table)

@@ -1,9 +1,9 @@
-"""A real SLURM: a one-node cluster on this machine (`scripts/slurm/cluster.sh`: munge, slurmctld and
+"""A real SLURM: a one-node cluster on this machine (`scripts/cluster/cluster.sh`: munge, slurmctld and
 slurmd on localhost), the repository's own batch script submitted with `sbatch`, a job signalled
 before its time limit that requeues itself and resumes to the uninterrupted run, and a Hydra sweep
 through the submitit launcher.
 
-Needs root and Debian's slurm-wlm and munge (`bash scripts/slurm/cluster.sh install`); skips with the
+Needs root and Debian's slurm-wlm and munge (`bash scripts/cluster/cluster.sh install`); skips with the
 reason otherwise. A cluster already up is used and left up; one the tests start is shut down after.
 """
 
@@ -25,9 +25,9 @@ from fixtures import ON_CPU, assert_run_outputs, assert_same_run
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
-CLUSTER = ROOT / "scripts" / "slurm" / "cluster.sh"
-BATCH = ROOT / "scripts" / "slurm" / "train.sbatch"
-SERVERS_BATCH = ROOT / "scripts" / "slurm" / "servers.sbatch"
+CLUSTER = ROOT / "scripts" / "cluster" / "cluster.sh"
+BATCH = ROOT / "scripts" / "cluster" / "train.sbatch"
+SERVERS_BATCH = ROOT / "scripts" / "cluster" / "servers.sbatch"
 QUICK = ["debug=quick", *ON_CPU]
 LONG = [*QUICK, "rl.steps=200", "val_every=50", "val_pass_k=0", "checkpoint_every=20"]
 
@@ -39,7 +39,7 @@ def slurm_env(tmp_path_factory, model_cache) -> dict:
     if os.geteuid() != 0:
         pytest.skip("a SLURM cluster on this machine needs root (munged, slurmctld, slurmd)")
     if not all(shutil.which(b) for b in ("slurmctld", "slurmd", "munged", "sbatch")):
-        pytest.skip("SLURM is not installed: `bash scripts/slurm/cluster.sh install` (Debian, root)")
+        pytest.skip("SLURM is not installed: `bash scripts/cluster/cluster.sh install` (Debian, root)")
     was_up = subprocess.run(["bash", str(CLUSTER), "status"], capture_output=True).returncode == 0
     up = subprocess.run(["bash", str(CLUSTER), "up"], capture_output=True, text=True, timeout=120)
     assert up.returncode == 0, up.stderr[-2000:]
@@ -130,8 +130,8 @@ def test_a_hydra_sweep_runs_as_slurm_jobs_through_submitit(slurm_env, tmp_path):
 
 
 def test_the_servers_batch_script_trains_with_a_vllm_server_beside_it(slurm_env, tmp_path):
-    """scripts/slurm/servers.sbatch on the one-node cluster: a vLLM server (scripts/serve.py) and the
-    trainer share the node, the trainer waits for the server and trains one step behind it."""
+    """scripts/cluster/servers.sbatch on the one-node cluster: a vLLM server (scripts/cluster/serve.py) and
+    the trainer share the node, the trainer waits for the server and trains one step behind it."""
     pytest.importorskip("vllm")
     run, log = tmp_path / "run", tmp_path / "job.out"
     env = dict(slurm_env, LOORL_RUN_DIR=str(run), LOORL_SERVER_PORT=str(_free_port()))

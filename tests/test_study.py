@@ -1,4 +1,4 @@
-"""The estimator study's tooling (scripts/study.py, loorl.research.study*, .stats): the paired
+"""The estimator study's tooling (scripts/research/study.py, loorl.research.study*, .stats): the paired
 statistics by hand, the config-difference check, paired seeds on the real study's prompts and on real
 runs, resuming, and the report."""
 
@@ -23,7 +23,7 @@ from loorl.research.study_pairing import check_pairing
 from loorl.research.study_report import merge_headlines
 
 ROOT = Path(__file__).resolve().parents[1]
-STUDY = [sys.executable, str(ROOT / "scripts" / "study.py")]
+STUDY = [sys.executable, str(ROOT / "scripts" / "research" / "study.py")]
 
 
 # ---- statistics, by hand -------------------------------------------------------------------------------

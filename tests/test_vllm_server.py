@@ -158,7 +158,7 @@ def test_a_sample_counts_as_drawn_by_the_oldest_version_among_its_tokens():
 @pytest.fixture(scope="module")
 def server(quick_config, tmp_path_factory):
     """A vLLM server on the quick tiny model, LoRA enabled (3 adapters of rank <= 8), started as
-    scripts/serve.py starts one; stopped after the module."""
+    scripts/cluster/serve.py starts one; stopped after the module."""
     from loorl.rollout.engines.server_launch import LocalServer, server_command, wait_until_healthy
 
     cfg = quick_config()
@@ -289,9 +289,9 @@ def cfg_samples(quick_config) -> int:
 
 @pytest.mark.slow
 def test_serve_script_prints_the_servers_command(quick_config, tmp_path):
-    """scripts/serve.py composes the run's config and prints the command of a server for it."""
+    """scripts/cluster/serve.py composes the run's config and prints the command of a server for it."""
     out = subprocess.run(
-        [sys.executable, "scripts/serve.py", "--print", "--port", "8123", "rollout=vllm_server",
+        [sys.executable, "scripts/cluster/serve.py", "--print", "--port", "8123", "rollout=vllm_server",
          "rollout.max_staleness=2", "model.lora={r: 8}", f"output_dir={tmp_path}"],
         cwd=REPO, capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip

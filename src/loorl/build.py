@@ -101,7 +101,7 @@ def identity(s: Settings) -> dict:
 
 def build_rollout_engine(s: Settings, tokenizer, model_path: str):
     """The run's rollout engine as the settings choose it, before tools or a sampler process wrap it
-    (`build_datamodule`; scripts/bench_engines.py times it alone)."""
+    (`build_datamodule`; scripts/bench/bench_engines.py times it alone)."""
     return build_engine(
         s.rollout,
         tokenizer,

@@ -37,7 +37,7 @@ def kl_per_token(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, *, estimato
       has expected gradient exactly 0; k2 or k3 in the reward give no KL's gradient.
     A loss term's KL is each token's given its sampled prefix: over several tokens it lacks the
     part of the sequence KL's gradient through which a token changes later tokens' KL, which the
-    reward (k1) carries. scripts/kl_gradient_table.py prints all of them exactly.
+    reward (k1) carries. scripts/research/kl_gradient_table.py prints all of them exactly.
     """
     if estimator not in KL_ESTIMATORS:
         raise ConfigError(f"kl.estimator={estimator!r} is not one of: {', '.join(KL_ESTIMATORS)}")

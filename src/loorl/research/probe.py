@@ -9,7 +9,7 @@ interval over the repeats (`loorl.research.grad_variance`), and the same with ev
 not). The estimators: every registered one, the run's own when it is a plug-in (`estimator._target_`,
 under its function's name), and `batch_mean`, REINFORCE with the batch's mean reward as baseline.
 
-`scripts/grad_variance.py` is its command line; a study's probe part (`loorl.research.study`) calls
+`scripts/research/grad_variance.py` is its command line; a study's probe part (`loorl.research.study`) calls
 `probe` at a run's checkpoints and its report reads `read_results`.
 """
 
@@ -51,7 +51,7 @@ class ProbeOptions:
             raise ValueError("--repeats must be at least 3 and --prompts at least 1")
 
     def arguments(self) -> list[str]:
-        """The options as `scripts/grad_variance.py` takes them (the defaults left out)."""
+        """The options as `scripts/research/grad_variance.py` takes them (the defaults left out)."""
         out = [] if self.policy is None else ["--policy", str(self.policy)]
         for name in ("prompts", "samples", "repeats", "shift", "bootstrap"):
             value = getattr(self, name)

@@ -1,5 +1,5 @@
 """A study: named parts, each a set of settings run over the same seeds, planned, checked and run so that
-an interrupted study continues where it stopped (`scripts/study.py`, `conf/study/*.yaml`).
+an interrupted study continues where it stopped (`scripts/research/study.py`, `conf/study/*.yaml`).
 
 Every compared run differs only in what its part names: before anything runs, each setting's config is
 composed and resolved, its differences from the part's first setting are printed, and a difference in a
@@ -174,8 +174,8 @@ def _part(study: str, name: str, spec: dict, max_seeds: int | None, extra: list[
 
 
 def probe_options(part: Part, policy: Path | None) -> ProbeOptions:
-    """The probe's options of a probe part (`probe.args`, as `scripts/grad_variance.py` takes them; the
-    study sets the policy) at `policy` (None: the policy before RL). Not yet checked."""
+    """The probe's options of a probe part (`probe.args`, as `scripts/research/grad_variance.py` takes them;
+    the study sets the policy) at `policy` (None: the policy before RL). Not yet checked."""
     args = [str(a) for a in part.probe.get("args", [])]
     try:
         if "--policy" in args:

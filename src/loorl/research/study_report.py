@@ -1,4 +1,4 @@
-"""A study's report, written from its finished runs (`scripts/study.py`): per part `<part>.md` and
+"""A study's report, written from its finished runs (`scripts/research/study.py`): per part `<part>.md` and
 `<part>.json` with its tables (`loorl.research.study_tables`: a summary of each setting over seeds,
 the paired comparisons it names with Holm's correction across them, gradient norms, levels, lengths)
 and its plots (`loorl.research.study_plots`: the accuracy curves against samples drawn and against

@@ -120,7 +120,7 @@ def run_probe(out: Path, part: Part, *, echo=print) -> list[Path]:
             continue
         options = probe_options(part, ckpt)
         overrides = [*setting.overrides, f"seed={seed}"]
-        command = shlex.join(["python", "scripts/grad_variance.py", "--out", str(target),
+        command = shlex.join(["python", "scripts/research/grad_variance.py", "--out", str(target),
                               *options.arguments(), *overrides])  # fmt: skip
         echo(f"[{part.name}] probe at step {step}: {command}")
         target.mkdir(parents=True, exist_ok=True)

@@ -70,7 +70,7 @@ def matmul_seconds(dtype: torch.dtype, *, size: int = 512, reps: int = 5) -> flo
 
 def matmul_flops_per_s(dtype: torch.dtype, *, size: int = 2048, reps: int = 5) -> float:
     """The CPU's matrix-product peak in `dtype`: FLOP/s of the fastest of `reps` [size, size] products
-    (the peak that scripts/profile_step.py and scripts/bench_engines.py measure against)."""
+    (the peak that scripts/bench/profile_step.py and scripts/bench/bench_engines.py measure against)."""
     return 2 * size**3 / matmul_seconds(dtype, size=size, reps=reps)
 
 

@@ -1,5 +1,5 @@
 """A run's peak memory, overall and by phase: the process's resident set on the host and, where CUDA is
-in use, the allocator's peak on this rank's GPU (what the summary and `scripts/ablate.py` report).
+in use, the allocator's peak on this rank's GPU (what the summary and `scripts/research/ablate.py` report).
 
 A Hydra multirun trains its jobs one after another in one process, so the host peak since the
 process started would be the largest job's. Linux lets a process restart that peak: writing "5" to

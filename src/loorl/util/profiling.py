@@ -1,7 +1,7 @@
 """Where an RL step's time goes: named phases timed on the wall clock and marked for the torch profiler.
 
 Each phase is a `torch.profiler.record_function` range named `loorl/<phase>` (what
-`scripts/profile_step.py` groups the profiler's operators by) and a wall-clock sum logged as
+`scripts/bench/profile_step.py` groups the profiler's operators by) and a wall-clock sum logged as
 `perf/<phase>_seconds`. The DataModule times `gen` and `grade`, the module `prepare`, `forward`,
 `backward` and `optimizer`; `perf/step_seconds` is the whole step and `perf/other_seconds` what no
 phase covers (Lightning's loop, logging, batch assembly, Python). Each phase also records its peak

@@ -202,7 +202,7 @@ def decode_steps(
         if sampling is None:
             token = logits.argmax(-1)  # [r]
             logp = torch.zeros(token.shape, device=device)  # [r]
-        else:  # a profiler range: scripts/bench_engines.py --profile reports sampling's share
+        else:  # a profiler range: scripts/bench/bench_engines.py --profile reports sampling's share
             with torch.profiler.record_function("loorl/sample"):
                 scaled = logits.float() / sampling.temperature  # [r, V]
                 scaled = filter_logits(scaled, top_k=sampling.top_k, top_p=sampling.top_p)  # [r, V]

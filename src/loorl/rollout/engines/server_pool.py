@@ -60,7 +60,7 @@ class ServerPool:
                 urls.append(url)
             for server in self.launched:
                 wait_until_healthy(server.url, timeout=s.startup_timeout_s, server=server)
-        elif s.wait_for_urls_s > 0:  # servers starting beside the run (scripts/slurm/servers.sbatch)
+        elif s.wait_for_urls_s > 0:  # servers starting beside the run (scripts/cluster/servers.sbatch)
             for url in urls:
                 wait_until_healthy(url.rstrip("/"), timeout=s.wait_for_urls_s)
         for url in urls:
@@ -74,7 +74,7 @@ class ServerPool:
         except (requests.RequestException, KeyError, ValueError) as err:
             raise ConfigError(
                 f"rollout.server.urls: {url} does not answer as a vLLM server ({type(err).__name__}: "
-                f"{str(err)[:120]}); start one with scripts/serve.py, or fix the URL"
+                f"{str(err)[:120]}); start one with scripts/cluster/serve.py, or fix the URL"
             ) from None
         name = models[0]["id"]
         if self.served_name not in (None, name):
@@ -91,7 +91,8 @@ class ServerPool:
         if answer.get("tokens") != mine:
             raise ConfigError(
                 f"rollout.server.urls: {url} serves {name!r}, whose tokenizer splits {PROBE_TEXT!r} into "
-                f"{answer.get('tokens')} and this run's into {mine}: serve the run's model (scripts/serve.py)"
+                f"{answer.get('tokens')} and this run's into {mine}: serve the run's model "
+                "(scripts/cluster/serve.py)"
             )
         if models[0].get("max_model_len", self.max_model_len) < self.max_model_len:
             raise ConfigError(

@@ -112,8 +112,8 @@ class ServerEngine(RolloutEngine):
         if ctx.parallel != "auto" and not s.urls:
             raise ConfigError(
                 f"rollout.engine=vllm_server with strategy={ctx.parallel}: name the servers "
-                "(rollout.server.urls=[http://host:port], scripts/serve.py); only a one-process run launches "
-                "its own"
+                "(rollout.server.urls=[http://host:port], scripts/cluster/serve.py); only a one-process run "
+                "launches its own"
             )
         if s.backend == "nccl" and ctx.model is not None and ctx.model.lora:
             raise ConfigError("rollout.server.backend=nccl with model.lora: adapters go as files; use auto")
@@ -248,7 +248,7 @@ class ServerEngine(RolloutEngine):
         except Exception as err:  # noqa: BLE001 - a server without the backend or the RL endpoints
             raise ConfigError(
                 f"rollout.server: the servers refused loorl's weight transfer ({self.backend}): "
-                f"{str(err)[:160]}; start them with scripts/serve.py (VLLM_SERVER_DEV_MODE=1, loorl "
+                f"{str(err)[:160]}; start them with scripts/cluster/serve.py (VLLM_SERVER_DEV_MODE=1, loorl "
                 "installed beside vLLM for its loorl_files backend)"
             ) from None
 

@@ -1,10 +1,10 @@
 """Synchronous against one-step-off rollouts, side by side: the same runs, seeds and steps, timed whole.
 
-    python scripts/bench_async.py                                  # tiny default + SmolLM2, 3 seeds
-    python scripts/bench_async.py --models tiny --seeds 0 1 2 --modes sync async
-    python scripts/bench_async.py --smollm2-steps 20               # SmolLM2 runs shorter than its 60
-    python scripts/bench_async.py --models tiny --seeds 0 --modes sync vllm server0 server1 server2
-                                  # the same work five ways (start the server first: scripts/serve.py
+    python scripts/bench/bench_async.py                                  # tiny default + SmolLM2, 3 seeds
+    python scripts/bench/bench_async.py --models tiny --seeds 0 1 2 --modes sync async
+    python scripts/bench/bench_async.py --smollm2-steps 20               # SmolLM2 runs shorter than its 60
+    python scripts/bench/bench_async.py --models tiny --seeds 0 --modes sync vllm server0 server1 server2
+                                  # the same work five ways (start the server first: scripts/cluster/serve.py
                                   # --port 8765 --host 127.0.0.1 rollout=vllm_server)
 
 Each cell is `python src/train.py <model> seed=S rollout.max_staleness=A rollout.devices=D`, timed from
@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
 from loorl.research.ablation import mean_ci  # noqa: E402
@@ -50,7 +50,7 @@ MODES = {
     "async": ["rollout.max_staleness=1", "rollout.devices=auto"],
     "async_inline": ["rollout.max_staleness=1", "rollout.devices=trainer"],
     "vllm": ["rollout=vllm", "rollout.max_staleness=0"],  # vLLM in the training process
-    # a vLLM server (--server-url, started beforehand: scripts/serve.py), N steps ahead
+    # a vLLM server (--server-url, started beforehand: scripts/cluster/serve.py), N steps ahead
     "server0": ["rollout=vllm_server", "rollout.max_staleness=0"],
     "server1": ["rollout=vllm_server", "rollout.max_staleness=1"],
     "server2": ["rollout=vllm_server", "rollout.max_staleness=2"],
@@ -132,7 +132,7 @@ def main() -> None:
     parser.add_argument("--smollm2-steps", type=int, default=20)
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench_async")
     parser.add_argument("--server-url", default="http://127.0.0.1:8765",
-                        help="the vLLM server of the server* modes (scripts/serve.py)")  # fmt: skip
+                        help="the vLLM server of the server* modes (scripts/cluster/serve.py)")  # fmt: skip
     args = parser.parse_args()
     steps = {"tiny": args.tiny_steps, "smollm2": args.smollm2_steps}
     results: dict[tuple[str, str], list[dict]] = {}
@@ -152,7 +152,7 @@ def main() -> None:
                 )
                 results.setdefault((model, mode), []).append(cell(folder, wall))
                 print(f"{model} {mode} seed {seed}: {wall:.1f} s", flush=True)
-    command = "python scripts/bench_async.py " + " ".join(sys.argv[1:])
+    command = "python scripts/bench/bench_async.py " + " ".join(sys.argv[1:])
     text = table(results, steps, args.seeds, command.strip())
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "async.md").write_text(text)

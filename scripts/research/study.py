@@ -1,10 +1,11 @@
 """Run a study (`conf/study/NAME.yaml`) and write its tables and plots (docs/research/which-estimator.md).
 
-    python scripts/study.py which_estimator                   # run what is missing, then the report
-    python scripts/study.py which_estimator --only k --seeds 2 # one part, its first 2 seeds
-    python scripts/study.py which_estimator --plan            # the settings' config differences only
-    python scripts/study.py which_estimator --report          # the report from the runs there are
-    python scripts/study.py which_estimator model=qwen7b --out outputs/studies/qwen7b --report-dir DIR
+    python scripts/research/study.py which_estimator                   # run what is missing, then the report
+    python scripts/research/study.py which_estimator --only k --seeds 2 # one part, its first 2 seeds
+    python scripts/research/study.py which_estimator --plan            # the settings' config differences only
+    python scripts/research/study.py which_estimator --report          # the report from the runs there are
+    python scripts/research/study.py which_estimator model=qwen7b --out outputs/studies/qwen7b \
+        --report-dir DIR
                                                               # every run with these overrides too
 
 Before anything runs, every setting's config is composed and its differences from the part's first
@@ -24,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
 from loorl.config import ConfigError  # noqa: E402
@@ -94,7 +95,7 @@ def main(argv: list[str]) -> int:
         for part in study.parts
         if part.kind == "train"
     }
-    command = shlex.join(["python", "scripts/study.py", *argv])
+    command = shlex.join(["python", "scripts/research/study.py", *argv])
     report_dir = (args.report_dir or ROOT / study.report_dir).resolve()
     write_study_report(study, out, report_dir, per_step, command=command, machine=machine())
     minutes = (time.perf_counter() - started) / 60

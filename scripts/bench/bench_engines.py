@@ -1,7 +1,7 @@
 """Generation against the machine's limit: every way loorl can generate, at each recipe's rollout shape.
 
-    python scripts/bench_engines.py                                 # tiny and SmolLM2, every path
-    python scripts/bench_engines.py --works tiny --paths hf:dynamic hf:static --profile
+    python scripts/bench/bench_engines.py                                 # tiny and SmolLM2, every path
+    python scripts/bench/bench_engines.py --works tiny --paths hf:dynamic hf:static --profile
 
 A work is a recipe: `tiny` (the default run) or `smollm2` (`experiment=smollm2_arithmetic`). Each
 takes its recipe's rollout shape (rl.prompts_per_step x rl.samples_per_prompt rows,
@@ -39,7 +39,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import torch  # noqa: E402

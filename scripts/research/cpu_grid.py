@@ -1,6 +1,6 @@
 """The default run over the CPUs it may meet: kernel capabilities x warm-start seeds x RL seeds.
 
-    python scripts/cpu_grid.py [--capabilities avx512,avx2,default] [--ws-seeds 5] [--rl-seeds 1,2]
+    python scripts/research/cpu_grid.py [--capabilities avx512,avx2,default] [--ws-seeds 5] [--rl-seeds 1,2]
                                [--out outputs/cpu_grid] [hydra overrides ...]
 
 torch picks its CPU kernels by the widest vector extension the CPU has; `ATEN_CPU_CAPABILITY` lowers
@@ -32,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
 from loorl.research.ablation import read_jobs  # noqa: E402

@@ -14,7 +14,7 @@ and compared with autograd on the exact sequence-level KL(pi||ref) and reverse K
 on their per-token forms sum_t E_{y<t ~ pi}[KL_t(.|y<t)] with the prefix weights detached (what a
 per-token loss term can reach: it does not see how a token changes the later tokens' KL).
 
-Run: python scripts/kl_gradient_table.py   (prints a markdown table)
+Run: python scripts/research/kl_gradient_table.py   (prints a markdown table)
 """
 
 from __future__ import annotations

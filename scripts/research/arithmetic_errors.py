@@ -2,7 +2,7 @@
 sorted into kinds of error, and how much of each step's rollout could teach anything.
 
     python src/train.py experiment=smollm2_arithmetic sample_rows=-1 hydra.run.dir=outputs/arith
-    python scripts/arithmetic_errors.py outputs/arith
+    python scripts/research/arithmetic_errors.py outputs/arith
 
 The run needs `sample_rows=-1` (every held-out completion in samples.csv). Kinds of a wrong answer to
 a + b (the last number of the answer, as the reward reads it):

@@ -3,8 +3,8 @@ chunked one from hidden states (`loorl.algo.head_logprobs`), forward and backwar
 sizes. Memory is torch's memory tracker's peak of live tensors (the CPU has no allocator statistics);
 time is the median of `--repeats` runs.
 
-    python scripts/bench_logprobs.py --rows 4 --length 512 --vocab 151936 --hidden 64
-    python scripts/bench_logprobs.py --rows 64 --length 48 --vocab 49152 --hidden 576   # SmolLM2's head
+    python scripts/bench/bench_logprobs.py --rows 4 --length 512 --vocab 151936 --hidden 64
+    python scripts/bench/bench_logprobs.py --rows 64 --length 48 --vocab 49152 --hidden 576   # SmolLM2's head
 
 Prints a markdown table (docs/performance/memory.md).
 """

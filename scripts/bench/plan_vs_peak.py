@@ -1,11 +1,11 @@
 """The memory plan against the measured peak: each case trains a few steps and compares the plan its run
 wrote (`memory_plan.json`) with the peak the run measured (`metrics.json`), term by term where they part.
 
-    python scripts/plan_vs_peak.py                  # every case; a finished one is not run again
-    python scripts/plan_vs_peak.py --only tiny smollm2_lora_bf16
-    python scripts/plan_vs_peak.py --report         # the table from the runs there are
-    python scripts/plan_vs_peak.py --replan         # those runs against the plan today's terms make
-    python scripts/plan_vs_peak.py --gpu-plans      # what --plan says for qwen7b on GPUs (gpu_plans.md)
+    python scripts/bench/plan_vs_peak.py                  # every case; a finished one is not run again
+    python scripts/bench/plan_vs_peak.py --only tiny smollm2_lora_bf16
+    python scripts/bench/plan_vs_peak.py --report         # the table from the runs there are
+    python scripts/bench/plan_vs_peak.py --replan         # those runs against the plan today's terms make
+    python scripts/bench/plan_vs_peak.py --gpu-plans      # what --plan says for qwen7b on GPUs (gpu_plans.md)
 
 Writes docs/how-to/memory-plan/cases.md (the table docs/how-to/memory-plan.md includes) and
 cases.json; with --gpu-plans, gpu_plans.md. On CUDA the measured peak is the allocator's (the plan's
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GiB = 2**30
 GB = 1e9  # the unit of the older summaries (`peak_host_gb`)
 

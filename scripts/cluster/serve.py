@@ -1,7 +1,7 @@
 """A vLLM server for a loorl run, on this node or another: `rollout=vllm_server` then points at it.
 
-    python scripts/serve.py --port 8000 model=smollm2_135m rollout=vllm_server          # serve it here
-    python scripts/serve.py --print model=smollm2_135m rollout=vllm_server              # the command only
+    python scripts/cluster/serve.py --port 8000 model=smollm2_135m rollout=vllm_server  # serve it here
+    python scripts/cluster/serve.py --print model=smollm2_135m rollout=vllm_server      # the command only
     python src/train.py model=smollm2_135m rollout=vllm_server 'rollout.server.urls=[http://node7:8000]'
 
 The overrides are the training run's: the script composes the same config, builds or finds the same

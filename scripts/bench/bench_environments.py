@@ -1,7 +1,7 @@
 """What an environment costs, and what its failures do to a run, in each `environment.isolation`.
 
-    python scripts/bench_environments.py calls        # a call and a session, process against thread
-    python scripts/bench_environments.py failures     # each failure kind against each mode, in a run
+    python scripts/bench/bench_environments.py calls        # a call and a session, process against thread
+    python scripts/bench/bench_environments.py failures     # each failure kind against each mode, in a run
 
 `calls`: the worked example's `calculate` (examples/environments/sum_calculator.py) called through
 `Session.call` (the JSON parsed and checked, the method run, the result clipped), median microseconds
@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KINDS = ("hang", "exit", "segfault", "memory")
 MODES = ("process", "thread")
 

@@ -1,8 +1,8 @@
 """A LoRA policy's weights into vLLM, two ways, timed: merged weights streamed at each sync (what loorl
 does) against vLLM's own LoRA support (the adapter saved in peft's format, a new `LoRARequest` per sync).
 
-    python scripts/bench_lora_sync.py            # SmolLM2 r 16: experiment=smollm2_arithmetic_lora
-    python scripts/bench_lora_sync.py --syncs 3 model.lora.r=8     # plus any Hydra override
+    python scripts/bench/bench_lora_sync.py            # SmolLM2 r 16: experiment=smollm2_arithmetic_lora
+    python scripts/bench/bench_lora_sync.py --syncs 3 model.lora.r=8     # plus any Hydra override
 
 Both engines are real vLLM engines built from the run's own settings (`rollout=vllm`, the engine's
 dtype and limits), in one process. The policy is the model with adapters whose B is drawn at random
@@ -28,7 +28,7 @@ import time
 from functools import partial
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 

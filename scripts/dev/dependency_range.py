@@ -1,8 +1,8 @@
 """Build the lowest and the newest environments `pyproject.toml` allows and run the range subset in each.
 
-    python scripts/dependency_range.py                  # both, under /tmp/loorl-deps
-    python scripts/dependency_range.py --which newest   # one of them
-    python scripts/dependency_range.py --root DIR --report table.md
+    python scripts/dev/dependency_range.py                  # both, under /tmp/loorl-deps
+    python scripts/dev/dependency_range.py --which newest   # one of them
+    python scripts/dev/dependency_range.py --root DIR --report table.md
 
 lowest: every core dependency (`[project] dependencies`) at the version its `>=` names, pinned with a
 pip constraints file (what the dependencies pull in themselves, pip resolves). newest: the newest
@@ -33,7 +33,7 @@ from pathlib import Path
 import tomllib
 from packaging.requirements import Requirement
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TORCH_ON_DISK = "2.13.0"  # the CPU build this machine's pip finds without a download (see the docstring)
 SUBSET = [
     "tests/test_estimators.py",

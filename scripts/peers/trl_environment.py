@@ -1,8 +1,8 @@
 """Run an environment file written for loorl, unchanged, in TRL's `GRPOTrainer(environment_factory=...)`.
 
-Run with TRL's interpreter (`<LOORL_CACHE>/trl-venv/bin/python`, scripts/bench_vs_trl.py makes it):
+Run with TRL's interpreter (`<LOORL_CACHE>/trl-venv/bin/python`, scripts/bench/bench_vs_trl.py makes it):
 
-    ~/.cache/loorl/trl-venv/bin/python scripts/trl_environment.py \
+    ~/.cache/loorl/trl-venv/bin/python scripts/peers/trl_environment.py \
         examples/environments/sum_calculator.py SumCalculatorEnv --out /tmp/trl_env --steps 2
 
 No hub: the policy is a small Qwen2 built here, with a character tokenizer that carries Qwen2.5's chat

@@ -1,9 +1,9 @@
 """Does a long run's memory stay flat? Runs training for many steps and checks the per-step peak's
 slope after warm-up; writes outputs/bench/memory_slope.md (and .json).
 
-    python scripts/bench_memory_slope.py                                   # tiny default, 300 steps
-    python scripts/bench_memory_slope.py --steps 200 -- experiment=smollm2_arithmetic
-    python scripts/bench_memory_slope.py --steps 100 -- experiment=smollm2_arithmetic \
+    python scripts/bench/bench_memory_slope.py                                   # tiny default, 300 steps
+    python scripts/bench/bench_memory_slope.py --steps 200 -- experiment=smollm2_arithmetic
+    python scripts/bench/bench_memory_slope.py --steps 100 -- experiment=smollm2_arithmetic \
         trim_freed_memory_every=0                                          # the climb untrimmed
 
 The run is a fresh `python src/train.py` process (memory is a property of the whole process), with
@@ -30,7 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIXED = ["val_every=100000", "export_policy=false", "+trainer.limit_val_batches=0"]  # training steps only
 
 

@@ -1,10 +1,10 @@
 """One weight update into a vLLM server, timed and counted: full weights and LoRA, two transfer folders.
 
-    python scripts/bench_weight_update.py                           # the tiny default model
-    python scripts/bench_weight_update.py model=smollm2_135m        # SmolLM2-135M (bf16)
-    python scripts/bench_weight_update.py --updates 5 model.lora.r=8
+    python scripts/bench/bench_weight_update.py                           # the tiny default model
+    python scripts/bench/bench_weight_update.py model=smollm2_135m        # SmolLM2-135M (bf16)
+    python scripts/bench/bench_weight_update.py --updates 5 model.lora.r=8
 
-The script starts a vLLM server for the run's config (as scripts/serve.py would, LoRA enabled), builds
+The script starts a vLLM server for the run's config (as scripts/cluster/serve.py would, LoRA enabled), builds
 the run's `rollout=vllm_server` engine against it and the policy, and times `ServerEngine.sync`
 (pause, transfer through vLLM's weight-transfer API, finish, resume: the whole update) and counts its
 bytes (`update_bytes`), after one warm-up update:
@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,10 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()
     model = s.model.name if s.model.name_or_path is None else s.model.name_or_path
+    given = " ".join(sys.argv[1:] if argv is None else argv)
     lines = [
-        f"`python scripts/bench_weight_update.py {' '.join(sys.argv[1:] if argv is None else argv)}`".replace(
-            "  ", " "
-        ),
+        f"`python scripts/bench/bench_weight_update.py {given}`".replace("  ", " "),
         f"({model}, {s.model.dtype}; {time.strftime('%Y-%m-%d')}; "
         f"medians of {args.updates} updates after one)",
         "",

@@ -1,7 +1,7 @@
 """Run a named ablation as a Hydra multirun and turn it into an answer (docs/how-to/research.md).
 
-    python scripts/ablate.py estimators --seeds 3 --steps 150 [hydra overrides ...]
-    python scripts/ablate.py [title] --from outputs/multirun/2026-11-22/10-00-00 [more sweep folders]
+    python scripts/research/ablate.py estimators --seeds 3 --steps 150 [hydra overrides ...]
+    python scripts/research/ablate.py [title] --from outputs/multirun/2026-11-22/10-00-00 [more sweep folders]
 
 The first runs `python src/train.py -m ablation=NAME seed=0,..,N-1 rl.steps=S` with its sweep folder
 at `<out>/runs` (out: `outputs/ablations/NAME`), then writes `<out>/table.md` (each setting's final,
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
 from loorl.config import CONF_DIR  # noqa: E402
@@ -94,7 +94,7 @@ def main(argv: list[str]) -> int:
         if subprocess.run(command, cwd=ROOT).returncode != 0:
             print(f"error: the sweep failed; the finished runs are under {sweep_dir} (--from {sweep_dir})")
             return 1
-        sweeps, how = [sweep_dir], "`" + shlex.join(["python", "scripts/ablate.py", *argv]) + "`"
+        sweeps, how = [sweep_dir], "`" + shlex.join(["python", "scripts/research/ablate.py", *argv]) + "`"
     else:
         sweeps, how = args.sweeps, "from " + ", ".join(f"`{s}`" for s in args.sweeps)
     seconds = time.perf_counter() - started

@@ -4,12 +4,12 @@ mean level; `task.eval_levels`' held-out sets, `<name>@L<level>`, are columns of
 "all"), the run's wall time, its peak memory and its training steps' (the largest of their phases'
 peaks: where the run's is higher, validation, start-up or the export set it); then the mean over runs.
 
-    python scripts/reasoning_gym_table.py outputs/rg_seed0 outputs/rg_seed1 outputs/rg_seed2
+    python scripts/research/reasoning_gym_table.py outputs/rg_seed0 outputs/rg_seed1 outputs/rg_seed2
 
 Each argument is a run folder (its metrics.json; curriculum levels from it, or from csv/metrics.csv
 for a run whose metrics.json predates them).
 
-    python scripts/reasoning_gym_table.py --answers letter_counting outputs/rg_seed0
+    python scripts/research/reasoning_gym_table.py --answers letter_counting outputs/rg_seed0
 
 prints instead what one dataset's held-out greedy answers were at the first and the last validation
 (the run needs `sample_rows=-1`): how often each answer was given, how often it was right, and the

@@ -1,7 +1,7 @@
 """Write the configuration reference (docs/reference/config.md) from the YAML files under conf/.
 
-    python scripts/config_reference.py            # rewrite docs/reference/config.md
-    python scripts/config_reference.py --check    # exit 1 if the page differs from what conf/ says
+    python scripts/dev/config_reference.py            # rewrite docs/reference/config.md
+    python scripts/dev/config_reference.py --check    # exit 1 if the page differs from what conf/ says
 
 Every key of every file is a row: its dotted path, its value as written (interpolations unresolved)
 and the comment beside it in the file, continuation lines included; a file's header comment heads its
@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONF = ROOT / "conf"
 PAGE = ROOT / "docs" / "reference" / "config.md"
 KEY = re.compile(r"^(?P<indent>\s*)(?P<key>[A-Za-z0-9_@./+-]+):(?P<rest>.*)$")
@@ -132,8 +132,8 @@ def render() -> str:
         "",
         "Every key of every file under `conf/`, with its value as written there (`${...}` are Hydra",
         "interpolations, resolved when a run composes its config) and the comment beside it. Generated",
-        "by `python scripts/config_reference.py` from the files themselves; `tests/test_docs.py` fails when",
-        "this page and `conf/` disagree. How the files compose:",
+        "by `python scripts/dev/config_reference.py` from the files themselves; `tests/test_docs.py` fails",
+        "when this page and `conf/` disagree. How the files compose:",
         "[How the configs compose](../how-to/configs.md).",
         "",
         "A group's option is chosen with `group=option` on the command line (`estimator=grpo`); a key is",
@@ -184,7 +184,7 @@ def main() -> None:
     text = render()
     if args.check:
         if not PAGE.exists() or PAGE.read_text() != text:
-            sys.exit(f"{PAGE.relative_to(ROOT)} is out of date: run python scripts/config_reference.py")
+            sys.exit(f"{PAGE.relative_to(ROOT)} is out of date: run python scripts/dev/config_reference.py")
         return
     PAGE.parent.mkdir(parents=True, exist_ok=True)
     PAGE.write_text(text)
