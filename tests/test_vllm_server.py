@@ -59,10 +59,16 @@ def test_a_run_with_its_own_server_trains_at_most_n_versions_behind(quick_config
                        "rl.steps=4", "val_every=4", output_dir=tmp_path)  # fmt: skip
     summary = train(cfg)
     assert summary["optimizer_steps"] == 4
-    assert lag_history(tmp_path) == [0.0, 1.0, 2.0, 2.0]
+    lags = lag_history(tmp_path)
+    # step 0 samples its own; later ones were asked for 1 or 2 steps before. A request the server starts
+    # only after the next weights arrived is sampled with them (lag 1 where 2 was allowed): on an idle
+    # machine [0, 1, 2, 2], under a loaded CI worker [0, 1, 1, 2] was seen
+    assert lags[:2] == [0.0, 1.0] and all(1.0 <= lag <= 2.0 for lag in lags[1:]), lags
     samples = cfg.rl.prompts_per_step * cfg.rl.samples_per_prompt
-    assert summary["staleness_lag_max"] == 2.0
-    assert [summary[f"staleness_samples_lag_{k}"] for k in range(3)] == [samples, samples, 2 * samples]
+    assert summary["staleness_lag_max"] == max(lags) <= 2.0
+    counted = [summary.get(f"staleness_samples_lag_{k}", 0.0) for k in range(3)]
+    assert counted[0] == samples and sum(counted) == 4 * samples, counted  # every sample at a lag <= 2
+    assert not [k for k in summary if k.startswith("staleness_samples_lag_") and int(k.rsplit("_", 1)[1]) > 2]
     assert summary["staleness_dropped_samples"] == 0.0
     sync_bytes = [
         v for _, v in json.loads((tmp_path / "metrics.json").read_text())["history"]["perf/weight_sync_bytes"]
