@@ -51,6 +51,16 @@ CASES = [
         ["prompts_per_minibatch"],
     ),
     (["rl.steps=0"], "rl.steps", []),
+    (  # a renamed key names its new spelling (it always held GiB)
+        ["rollout=vllm", "+rollout.vllm.kv_cache_memory_gb=2"],
+        "rollout.vllm.kv_cache_memory_gb",
+        ["is now called", "rollout.vllm.kv_cache_memory_gib=2"],
+    ),
+    (
+        ["rollout=vllm_server", "+rollout.server.kv_cache_memory_gb=2"],
+        "rollout.server.kv_cache_memory_gb",
+        ["rollout.server.kv_cache_memory_gib=2"],
+    ),
     (["rl.dynamic_sampling.max_rounds=0"], "rl.dynamic_sampling.max_rounds", ["1 or more"]),
     (["reward.overlong.buffer=1000"], "reward.overlong.buffer", ["rollout.max_new_tokens"]),
     (  # with tools, the limit is a sample's budget over its turns

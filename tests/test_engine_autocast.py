@@ -42,7 +42,7 @@ def _datamodule(tiny, engine=None):
     cfg, task, path, tok, _ = tiny
     dm = build_datamodule(cfg, task, tok, path)
     if engine is not None:
-        dm.engine = engine
+        dm.sampler.engine = engine
     dm.trainer = _bf16_trainer()
     dm.setup("fit")
     return dm
@@ -62,7 +62,7 @@ def test_a_float32_reward_model_scores_outside_the_autocast_the_hf_engine_sample
     try:
         dm = _datamodule(tiny)
         assert dm.engine.name == "hf"
-        dm.rewards = RewardComposer([WeightedReward("rm", rm)], task=dm.task)
+        dm.sampler.grader.rewards = RewardComposer([WeightedReward("rm", rm)], task=dm.task)
         dm.engine.sync(policy)
         rollout = next(iter(dm.train_dataloader()))
         assert not rollout.batch.rewards.isnan().any()  # every sample scored by the reward model

@@ -376,7 +376,8 @@ def test_kl_in_the_reward_uses_the_trainer_logprobs(quick_config, tiny, exact):
     module.configure_model()
     module.sampler_logprobs_match_trainer = exact
     dm = build_datamodule(cfg, task, tok, path)
-    dm.engine = _OffsetSampler(dm.engine.sampling, eos_token_ids=dm.engine.eos_token_ids, pad_token_id=0)
+    base = dm.engine
+    dm.sampler.engine = _OffsetSampler(base.sampling, eos_token_ids=base.eos_token_ids, pad_token_id=0)
     dm.setup("fit")
     dm.engine.sync(module.policy)
     batch, metrics = module.with_advantages(dm.rollout_for_step(step=0).batch)

@@ -187,12 +187,14 @@ def _check_every_eos_ends(groups, ids, *, second_must_occur=True):
 
 
 def _engine_for(cfg, path):
-    from loorl.config import load_settings
+    from loorl.config import engine_choice, load_settings
     from loorl.rollout.engines.factory import build_engine
 
     tok = load_tokenizer(str(path))
-    rollout = load_settings(cfg).rollout
-    return build_engine(rollout, tok, model_path=str(path), model_dtype="float32", seed=0), tok
+    s = load_settings(cfg)
+    engine = build_engine(s.rollout, tok, model_path=str(path), model_dtype="float32", seed=0,
+                          choice=engine_choice(s))  # fmt: skip
+    return engine, tok
 
 
 def _prompts(tok):

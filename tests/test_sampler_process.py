@@ -87,9 +87,13 @@ def policy_and_engines(quick_cfg):
     path = resolve_model_path(s.model, s.task, build_task(s))
     module = build_module(s, path)
     module.configure_model()
-    engine = build_engine(s.rollout, load_tokenizer(path), model_path=path, seed=0, cuda=False)
-    remote = ProcessEngine(build_engine(s.rollout, load_tokenizer(path), model_path=path, seed=0, cuda=False),
-                           Placement("cpu", (max(cpu_set()),)))  # fmt: skip
+
+    def built():
+        tokenizer = load_tokenizer(path)
+        return build_engine(s.rollout, tokenizer, model_path=path, seed=0, cuda=False, choice=s.engine)
+
+    engine = built()
+    remote = ProcessEngine(built(), Placement("cpu", (max(cpu_set()),)))
     yield module.policy, engine, remote
     remote.close()
 

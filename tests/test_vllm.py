@@ -12,7 +12,7 @@ from fixtures import token_ids_of as _ids
 from loorl.algo.logprobs import completion_logprobs
 from loorl.build import build_datamodule
 from loorl.cli.train import train
-from loorl.config import load_settings
+from loorl.config import engine_choice, load_settings
 from loorl.errors import ConfigError
 from loorl.models.tiny import ensure_tiny_model
 from loorl.rollout.batch import assemble
@@ -79,13 +79,9 @@ def test_auto_picks_hf_on_cpu_and_says_why(quick_config, setup):
     name, reason = resolve_engine("auto")
     assert name == "hf" and "on the CPU" in reason and "faster" in reason  # the measured reason
     cfg, _, tok, module, _ = setup
-    engine = build_engine(
-        load_settings(quick_config()).rollout,
-        tok,
-        model_path=module.model_path,
-        model_dtype="float32",
-        seed=0,
-    )
+    s = load_settings(quick_config())
+    engine = build_engine(s.rollout, tok, model_path=module.model_path, model_dtype="float32", seed=0,
+                          choice=engine_choice(s))  # fmt: skip
     assert engine.name == "hf"
 
 

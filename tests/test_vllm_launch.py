@@ -53,7 +53,7 @@ def _cpu_engine(seed: int = 0) -> VLLMEngine:
     prefill, no sleep mode)."""
     return VLLMEngine(
         SamplingConfig(max_new_tokens=8), eos_token_ids=[1], pad_token_id=0, model_path="/models/tiny",
-        dtype="float32", seed=seed, max_model_len=96, gpu_memory_utilization=0.5, kv_cache_memory_gb=1.0,
+        dtype="float32", seed=seed, max_model_len=96, gpu_memory_utilization=0.5, kv_cache_memory_gib=1.0,
         tensor_parallel_size=1, enforce_eager=False, sleep_level=None, chunked_prefill=False,
     )  # fmt: skip
 

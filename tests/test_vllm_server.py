@@ -172,7 +172,7 @@ def server(quick_config, tmp_path_factory):
     port = free_port()
     command = server_command(
         model_path=path, port=port, dtype="float32", max_model_len=512, backend="loorl_files",
-        kv_cache_memory_gb=0.25, max_loras=3, max_lora_rank=8,
+        kv_cache_memory_gib=0.25, max_loras=3, max_lora_rank=8,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     process = LocalServer(command, url=url, log_path=tmp_path_factory.mktemp("server") / "server.log")
@@ -327,7 +327,7 @@ def _start_server(quick_config, tmp_path: Path, port: int | None = None):
     path = str(ensure_tiny_model(cfg.model, cfg.task, instantiate(cfg.task)))
     port = port or free_port()
     command = server_command(model_path=path, port=port, dtype="float32", max_model_len=512,
-                             backend="loorl_files", kv_cache_memory_gb=0.25)  # fmt: skip
+                             backend="loorl_files", kv_cache_memory_gib=0.25)  # fmt: skip
     server = LocalServer(command, url=f"http://127.0.0.1:{port}", log_path=tmp_path / f"server-{port}.log")
     wait_until_healthy(server.url, timeout=600, server=server)
     return server

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     path = resolve_model_path(s.model, s.task, instantiate(s.task))
     lora = s.model.lora or LoraSettings(r=16)
     command = server_command(model_path=path, port=args.port, dtype=s.model.dtype, max_model_len=512,
-                             backend="loorl_files", kv_cache_memory_gb=0.5, max_loras=2,
+                             backend="loorl_files", kv_cache_memory_gib=0.5, max_loras=2,
                              max_lora_rank=lora.r)  # fmt: skip
     server = LocalServer(command, url=f"http://127.0.0.1:{args.port}", log_path=Path(out_dir) / "server.log")
     rows = []

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         model_path=path, port=args.port, host=args.host, dtype=server.dtype or s.model.dtype,
         max_model_len=server.max_model_len or context_length(s.rollout, path, s.completion_tokens),
         backend=transfer_backend(server.backend, cuda=cuda),
-        kv_cache_memory_gb=server.kv_cache_memory_gb or (None if cuda else 1.0),
+        kv_cache_memory_gib=server.kv_cache_memory_gib or (None if cuda else 1.0),
         gpu_memory_utilization=server.gpu_memory_utilization,
         max_loras=max_loras(server, s.rollout.max_staleness) if lora else None,
         max_lora_rank=lora.r if lora else None, prefix_caching=server.pause == "wait",

@@ -16,7 +16,7 @@ from loorl.errors import ConfigError
 from loorl.models.lora import check_lora
 from loorl.models.sources import check_model_reachable, pretrained_path, tokenizer_at_hand
 from loorl.parallel.distributed import check_world_divides
-from loorl.rollout.engines.factory import EngineChoice, choose_engine, engine_class
+from loorl.rollout.engines.factory import EngineChoice, choose_engine
 from loorl.settings import (
     EnvironmentSettings,
     EstimatorSettings,
@@ -162,9 +162,7 @@ def check_config(cfg: DictConfig) -> Settings:
     check_model_reachable(s.model)
     check_lora(s.model)  # peft installed; the targets from the model's config alone (meta device)
     check_parallel(cfg, s)
-    context = {"model_dtype": s.model.dtype, "model": s.model, "model_path": pretrained_path(s.model)}
-    context |= {"seed": s.run.seed, "share_prompt": s.rl.share_prompt, "parallel": s.strategy}
-    s = replace(s, engine=choose_engine(s.rollout, cuda=s.on_cuda, **context))  # it checks its settings
+    s = replace(s, engine=checked_engine(s))  # it checks its settings
     engine = s.engine.cls
     if s.environment.chosen and not s.tools.max_turns:
         raise ConfigError(
@@ -207,10 +205,18 @@ def check_tools(s: Settings, engine: type) -> None:
     checked_toolset(s, engine, tokenizer_at_hand(s.model))
 
 
+def checked_engine(s: Settings) -> EngineChoice:
+    """The engine class `rollout` names, with its own settings checked and parsed by its `check`
+    (`factory.choose_engine`), before any model loads."""
+    context = {"model_dtype": s.model.dtype, "model": s.model, "model_path": pretrained_path(s.model)}
+    context |= {"seed": s.run.seed, "share_prompt": s.rl.share_prompt, "parallel": s.strategy}
+    return choose_engine(s.rollout, cuda=s.on_cuda, **context)
+
+
 def engine_choice(s: Settings) -> EngineChoice:
-    """The run's rollout engine as `check_config` chose it; for settings loaded unchecked
-    (`load_settings`: scripts, tests), the class `rollout` names, unchecked, chosen now."""
-    return s.engine if s.engine is not None else EngineChoice(*engine_class(s.rollout, cuda=s.on_cuda))
+    """The run's rollout engine as `check_config` chose it; for settings loaded without the checks
+    (`load_settings`: scripts, tests), chosen and checked now, the same way (`checked_engine`)."""
+    return s.engine if s.engine is not None else checked_engine(s)
 
 
 def sampler_placement_of(s: Settings):

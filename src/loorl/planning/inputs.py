@@ -201,7 +201,7 @@ def hf_cache_tokens(sequence_tokens: int, hf_decode: str) -> int:
 
 def with_vllm(w: Workload, arch: Architecture, vllm: dict | None, model_dtype: str) -> Workload:
     """vLLM's share in this process: on CUDA `gpu_memory_utilization` of the GPU; on the CPU its weights
-    in its dtype and `kv_cache_memory_gb` (1 GiB by default there)."""
+    in its dtype and `kv_cache_memory_gib` (1 GiB by default there)."""
     from dataclasses import replace
 
     if w.engine != "vllm":
@@ -211,5 +211,6 @@ def with_vllm(w: Workload, arch: Architecture, vllm: dict | None, model_dtype: s
         share = int(float(vllm.get("gpu_memory_utilization") or 0.5) * w.device_bytes)
     else:
         dtype = vllm.get("dtype") or model_dtype
-        share = arch.parameters * DTYPE_BYTES[dtype] + int(float(vllm.get("kv_cache_memory_gb") or 1.0) * GiB)
+        kv_cache = int(float(vllm.get("kv_cache_memory_gib") or 1.0) * GiB)
+        share = arch.parameters * DTYPE_BYTES[dtype] + kv_cache
     return replace(w, vllm_bytes=share)

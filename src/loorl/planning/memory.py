@@ -27,7 +27,7 @@ micro-batch):
   dtype (T' the sequence rounded up to 64 positions, the buffers' length), and a sampled step's
   logits, float32 scaled logits, log-probs, probabilities and float64 CDF (with the float64 copy
   `cumsum` makes of its input), rows x V x (c + 28); vLLM in process: its share of the GPU
-  (`gpu_memory_utilization`), on CPU its weights in its dtype and `kv_cache_memory_gb`.
+  (`gpu_memory_utilization`), on CPU its weights in its dtype and `kv_cache_memory_gib`.
 - the rest: on CUDA the context and the allocator's slack, 2 GiB; on CPU the process's resident set
   before the model loads (the interpreter, torch, transformers) less what glibc's heap holds free,
   measured when the plan is made.
@@ -257,7 +257,7 @@ def generation(a: Architecture, w: Workload) -> list[Term]:
         ]
     if w.engine == "vllm":
         training = 0.0 if (w.vllm_asleep_in_training and w.device == "cuda") else w.vllm_bytes
-        how = "utilisation x memory" if w.device == "cuda" else "weights + kv_cache_memory_gb"
+        how = "utilisation x memory" if w.device == "cuda" else "weights + kv_cache_memory_gib"
         return [Term("vLLM in process", training, w.vllm_bytes, how)]
     return []
 

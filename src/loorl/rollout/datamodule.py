@@ -102,17 +102,9 @@ class RolloutDataModule(L.LightningDataModule):
     def engine(self) -> RolloutEngine:
         return self.sampler.engine
 
-    @engine.setter
-    def engine(self, engine: RolloutEngine) -> None:
-        self.sampler.engine = engine
-
     @property
     def rewards(self) -> RewardComposer:
         return self.sampler.grader.rewards
-
-    @rewards.setter
-    def rewards(self, rewards: RewardComposer) -> None:
-        self.sampler.grader.rewards = rewards
 
     def held_out_prompts(self) -> list[Prompt]:
         """The validation prompts: the task's held-out set, or (`eval_split=train`) `eval_limit`

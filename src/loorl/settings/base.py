@@ -30,6 +30,8 @@ Engine = Literal["hf", "vllm", "vllm_server", "auto"]
 DTYPES, TRUNCATED_MODES, ENGINES = get_args(Dtype), get_args(TruncatedMode), get_args(Engine)
 
 SCHEMA = ConfigDict(extra="forbid")  # an unknown key is a typo, not a setting
+# Keys renamed in a section, old: new; the old spelling gets a one-line error naming the new one
+RENAMED = {"kv_cache_memory_gb": "kv_cache_memory_gib"}  # it always held GiB (issue 79: one unit)
 T = TypeVar("T")
 
 
@@ -41,6 +43,9 @@ def _one_line(err: ValidationError, section: str) -> str:
         return str(cause)
     key = ".".join(str(part) for part in (section, *first["loc"]) if part != "")
     key = key.replace(".target", "._target_")  # the YAML spelling of the field
+    if first["type"] == "unexpected_keyword_argument" and str(first["loc"][-1]) in RENAMED:
+        new = f"{key.rsplit('.', 1)[0]}.{RENAMED[str(first['loc'][-1])]}"
+        return f"{key} is now called {new} (the same value, in GiB): set {new}={first.get('input')!r}"
     if first["type"] == "unexpected_keyword_argument":
         return f"{key} is not a setting of `{section or 'the top level'}`: check the spelling (see conf/)"
     if first["type"] == "missing_argument":

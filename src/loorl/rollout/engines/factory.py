@@ -86,14 +86,13 @@ def build_engine(
     cuda: bool | None = None,
     completion_tokens: int | None = None,
     model=None,
-    choice: EngineChoice | None = None,
+    choice: EngineChoice,
 ) -> RolloutEngine:
     """The engine, unbuilt where building is costly (vLLM starts at the first sync). `cuda`: whether
     the run trains on CUDA (None: whether a device is available). `completion_tokens`: a sample's
     budget over all its turns, where tools are on (None: `rollout.max_new_tokens`). `choice`: the
-    engine `check_config` chose (None: chosen here, from `rollout`, unchecked)."""
-    if choice is None:
-        choice = EngineChoice(*engine_class(rollout, cuda=cuda))
+    engine `check_config` chose (`choose_engine`; `loorl.config.engine_choice` for
+    settings loaded without the checks)."""
     log.info("rollout engine: %s (%s)", choice.cls.name, choice.reason)
     ctx = EngineContext(rollout, model_dtype=model_dtype, model_path=model_path, tokenizer=tokenizer,
                         seed=seed, share_prompt=share_prompt, cuda=cuda,

@@ -34,7 +34,7 @@ def server_command(
     dtype: str = "auto",
     max_model_len: int,
     backend: str,
-    kv_cache_memory_gb: float | None = None,
+    kv_cache_memory_gib: float | None = None,
     gpu_memory_utilization: float | None = None,
     max_loras: int | None = None,
     max_lora_rank: int | None = None,
@@ -65,8 +65,8 @@ def server_command(
     ]  # fmt: skip
     if served_name:
         command += ["--served-model-name", served_name]
-    if kv_cache_memory_gb is not None:
-        command += ["--kv-cache-memory-bytes", str(int(kv_cache_memory_gb * 2**30))]
+    if kv_cache_memory_gib is not None:
+        command += ["--kv-cache-memory-bytes", str(int(kv_cache_memory_gib * 2**30))]
     if gpu_memory_utilization is not None:
         command += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
     if not prefix_caching:

@@ -52,7 +52,7 @@ def llm_arguments(
     seed: int,
     max_model_len: int,
     gpu_memory_utilization: float,
-    kv_cache_memory_gb: float | None,
+    kv_cache_memory_gib: float | None,
     tensor_parallel_size: int,
     enforce_eager: bool,
     sleep_level: int | None,
@@ -78,8 +78,8 @@ def llm_arguments(
         "tensor_parallel_size": tensor_parallel_size,
         "enforce_eager": enforce_eager,
     }
-    if kv_cache_memory_gb is not None:
-        args["kv_cache_memory_bytes"] = int(kv_cache_memory_gb * 2**30)
+    if kv_cache_memory_gib is not None:
+        args["kv_cache_memory_bytes"] = int(kv_cache_memory_gib * 2**30)
     if not chunked_prefill:  # whole prompts per step: the budget must hold the longest one
         args |= {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 8192)}
     if colocation is not None:

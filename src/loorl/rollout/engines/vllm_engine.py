@@ -98,7 +98,7 @@ class VLLMSettings(Section):
     dtype: Dtype | None = None  # None: model.dtype
     max_model_len: PositiveInt | None = None
     gpu_memory_utilization: Fraction = 0.5
-    kv_cache_memory_gb: PositiveFloat | None = None
+    kv_cache_memory_gib: PositiveFloat | None = None
     tensor_parallel_size: PositiveInt = 1
     enforce_eager: bool = False
     sleep_level: Literal[1, 2] | None = 1
@@ -157,7 +157,7 @@ class VLLMEngine(RolloutEngine):
             max_model_len=v.max_model_len
             or context_length(ctx.rollout, ctx.model_path, ctx.completion_tokens),
             gpu_memory_utilization=v.gpu_memory_utilization,
-            kv_cache_memory_gb=v.kv_cache_memory_gb if v.kv_cache_memory_gb or gpu else 1.0,
+            kv_cache_memory_gib=v.kv_cache_memory_gib if v.kv_cache_memory_gib or gpu else 1.0,
             tensor_parallel_size=v.tensor_parallel_size,
             enforce_eager=v.enforce_eager,
             sleep_level=v.sleep_level if v.sleep_level is not None and gpu else None,
@@ -176,7 +176,7 @@ class VLLMEngine(RolloutEngine):
         seed: int = 0,
         max_model_len: int = 2048,
         gpu_memory_utilization: float = 0.5,
-        kv_cache_memory_gb: float | None = None,
+        kv_cache_memory_gib: float | None = None,
         tensor_parallel_size: int = 1,
         enforce_eager: bool = False,
         sleep_level: int | None = None,
@@ -190,7 +190,7 @@ class VLLMEngine(RolloutEngine):
             "seed": seed,
             "max_model_len": max_model_len,
             "gpu_memory_utilization": gpu_memory_utilization,
-            "kv_cache_memory_gb": kv_cache_memory_gb,
+            "kv_cache_memory_gib": kv_cache_memory_gib,
             "tensor_parallel_size": tensor_parallel_size,
             "enforce_eager": enforce_eager,
             "sleep_level": sleep_level,

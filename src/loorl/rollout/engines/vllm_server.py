@@ -60,7 +60,7 @@ class ServerSettings(Section):
     pause: Literal["wait", "keep"] = "wait"
     dtype: Dtype | None = None
     max_model_len: PositiveInt | None = None
-    kv_cache_memory_gb: PositiveFloat | None = None
+    kv_cache_memory_gib: PositiveFloat | None = None
     gpu_memory_utilization: PositiveFloat | None = None
     max_loras: PositiveInt | None = None
     log_dir: str | None = None
@@ -121,8 +121,8 @@ class ServerEngine(RolloutEngine):
 
     @classmethod
     def create(cls, ctx: EngineContext) -> ServerEngine:
-        """`ctx.settings`: the section as `check` parsed it (None: parsed here, unchecked)."""
-        s = ctx.settings if isinstance(ctx.settings, ServerSettings) else server_settings(ctx.rollout)
+        """`ctx.settings`: the section as `check` parsed it (a context without it: checked now)."""
+        s = ctx.settings if isinstance(ctx.settings, ServerSettings) else cls.check(ctx)
         lora = ctx.model.lora if ctx.model is not None else None
         return cls(
             ctx.rollout.sampling,
@@ -207,7 +207,7 @@ class ServerEngine(RolloutEngine):
         return server_command(
             model_path=self.model_path, port=port, dtype=self.dtype, max_model_len=self.max_model_len,
             backend=self.backend,
-            kv_cache_memory_gb=s.kv_cache_memory_gb or (None if self.cuda else 1.0),
+            kv_cache_memory_gib=s.kv_cache_memory_gib or (None if self.cuda else 1.0),
             gpu_memory_utilization=s.gpu_memory_utilization,
             max_loras=max_loras(s, self.max_staleness) if self.lora_rank else None,
             max_lora_rank=self.lora_rank, prefix_caching=s.pause == "wait",
