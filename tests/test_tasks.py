@@ -339,3 +339,19 @@ def test_extracted_answers_of_the_data_tasks(data_config, gsm8k_dir, math_dir, t
         prompt, r"\boxed{\frac12}"
     )
     assert math_task.extract_answer(prompt, "no box") is None
+
+
+def test_the_memory_plan_counts_a_prompt_as_the_engine_encodes_it(make_config):
+    """The plan's longest prompt is the chat-template rendering the engine tokenizes, not the task's
+    plain text before it is prepared (issue 79: 16 tokens counted where SmolLM2's engine encoded 46);
+    the task handed in stays unprepared (the run prepares its own)."""
+    from loorl.planning.inputs import longest_prompt
+
+    task = instantiate(make_config("task=chat_arithmetic", "task.system_prompt=Be brief.").task)
+    tok = chat_tokenizer()
+    plain = max(len(tok(p.text, add_special_tokens=False).input_ids) for p in task.eval_prompts())
+    counted = longest_prompt(task, tok, prompts_per_step=4, seed=0, max_prompt_length=256)
+    assert task.eval_prompts()[0].text.startswith("Be brief.\n\nWhat is")  # still the plain text
+    task.prepare(tok, max_prompt_length=256)
+    rendered = max(len(tok(p.text, add_special_tokens=False).input_ids) for p in task.eval_prompts())
+    assert counted >= rendered > plain

@@ -38,6 +38,8 @@ QWEN05B = ["model=qwen05b", "model.weights=random", "rollout=hf", "rl.steps=2", 
 TWO_STEPS = ["rl.steps=2", "val_every=2"]
 VLLM = ["rollout=vllm"]  # vLLM in process (on the CPU its weights and kv_cache_memory_gib)
 PADDED = ["rl.microbatch_tokens=null"]  # SmolLM2's CPU recipe packs 256-token micro-batches
+ALL_GROUPS = ["rl.skip_zero_advantage=false"]  # train every group, with or without reward spread
+TRIMMED = ["keep_freed_memory=false"]  # freed memory goes back to the OS (the heap does not keep it)
 # The cases the plan was tuned on (the first seven), then the grid it was not (issue 79): full and LoRA,
 # bf16 and float32 bases, the HF and vLLM engines, packed and padded micro-batches, every shipped
 # `experiment=` recipe at two steps, and the issue's own two commands.
@@ -66,6 +68,13 @@ CASES = {
     "smollm2_full_bf16_padded": [*SMOLLM2, *BF16, *PADDED],
     "smollm2_lora_bf16_padded": [*SMOLLM2_LORA, *BF16, *PADDED],
     "smollm2_lora_bf16_vllm": [*SMOLLM2_LORA, *BF16, *VLLM],
+    # the padded cases with every group trained: the plan's micro-batch, which the runs above trained only
+    # where a group's rewards had spread (`rl.skip_zero_advantage`; most groups had none)
+    "smollm2_full_bf16_padded_all_groups": [*SMOLLM2, *BF16, *PADDED, *ALL_GROUPS],
+    "smollm2_lora_bf16_padded_all_groups": [*SMOLLM2_LORA, *BF16, *PADDED, *ALL_GROUPS],
+    # the heap's share: the same with freed memory handed back to the OS (`keep_freed_memory=false`)
+    "smollm2_lora_padded_all_trimmed": [*SMOLLM2_LORA, *BF16, *PADDED, *ALL_GROUPS, *TRIMMED],
+    "smollm2_full_bf16_vllm": [*SMOLLM2, *BF16, *VLLM],  # vLLM's share without LoRA's
     "qwen05b_random_full_float32": [*QWEN05B, *FLOAT32],
     "qwen05b_random_lora_float32_base_small": [*QWEN05B, "model.lora={r: 16}", "optimizer.lr=1e-5"],
     **{
@@ -118,6 +127,26 @@ def gpu_plans(target: Path) -> None:
     (target / "gpu_plans.md").write_text("\n".join(lines) + "\n")
 
 
+EARLIER = "AMD EPYC, 2 cores, bf16 units (2026-11-29)"  # where the cases cases.json recorded first ran
+
+
+def machine() -> str:
+    """This machine's CPU in a few words (what a case's peak was measured on): its model name, cores and
+    whether it has bf16 units (the recipes' compute dtype follows them)."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    name = next((x.split(":", 1)[1].strip() for x in info.splitlines() if x.startswith("model name")), "CPU")
+    name = " ".join(w for w in name.replace("(R)", "").replace("(TM)", "").split() if w != "Processor")
+    bf16 = any(flag in info for flag in ("avx512_bf16", "amx_bf16"))
+    return f"{name}, {os.cpu_count()} cores, {'bf16 units' if bf16 else 'no bf16 units'}"
+
+
+def case_env() -> dict[str, str]:
+    """The environment a case runs (and is planned) in: the recipes' own environments
+    (experiment=tiny_sum_calculator's) importable, as their docs say."""
+    path = os.pathsep.join(filter(None, [str(EXAMPLES), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}
+
+
 def run_case(name: str, overrides: list[str], out: Path) -> None:
     run = out / name
     if (run / "metrics.json").is_file():
@@ -128,11 +157,8 @@ def run_case(name: str, overrides: list[str], out: Path) -> None:
     print(f"[{name}] {' '.join(command[1:])}", flush=True)
     start = time.time()
     run.mkdir(parents=True, exist_ok=True)
-    # the recipes' own environments (experiment=tiny_sum_calculator's) are importable as their docs say
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(EXAMPLES), os.environ.get("PYTHONPATH")])),
-    }
+    (run / "machine.txt").write_text(f"{machine()} ({time.strftime('%Y-%m-%d')})\n")
+    env = case_env()
     with open(run / "plan_vs_peak.log", "w") as log:
         done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
     # a case that fails is reported and left out of the table; the others still run
@@ -154,7 +180,7 @@ def replan(overrides: list[str], run: Path) -> None:
     """The plan of today's terms for a case that ran before (`--replan`): `plan=true`'s table, parsed
     into `memory_plan_now.json` beside the run's own `memory_plan.json` (GiB to two decimals)."""
     command = [sys.executable, str(ROOT / "src" / "train.py"), *overrides, "--plan"]
-    done = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT)
+    done = subprocess.run(command, capture_output=True, text=True, check=True, cwd=ROOT, env=case_env())
     terms = []
     for line in done.stdout.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -170,7 +196,9 @@ def replan(overrides: list[str], run: Path) -> None:
     (run / "memory_plan_now.json").write_text(json.dumps(record, indent=2))
 
 
-def compare(name: str, overrides: list[str], run: Path, *, now: bool = False, measured: float = 0.0) -> dict:
+def compare(
+    name: str, overrides: list[str], run: Path, *, now: bool = False, measured: float = 0.0, on: str = ""
+) -> dict:
     """A case's plan against its measured peak: the run's own `metrics.json`, or `measured` (bytes)
     where the run is not here (a peak `cases.json` recorded, `--replan`)."""
     plan = json.loads((run / ("memory_plan_now.json" if now else "memory_plan.json")).read_text())
@@ -183,6 +211,8 @@ def compare(name: str, overrides: list[str], run: Path, *, now: bool = False, me
     largest = max(plan["terms"], key=lambda t: t[phase])
     return {
         "case": name,
+        "measured_on": on
+        or ((run / "machine.txt").read_text().strip() if (run / "machine.txt").is_file() else ""),
         "overrides": overrides,
         "planned_gib": planned / GiB,
         "measured_gib": measured / GiB,
@@ -197,13 +227,13 @@ def compare(name: str, overrides: list[str], run: Path, *, now: bool = False, me
 def report(rows: list[dict]) -> str:
     lines = [
         "| case | planned (GiB) | measured peak (GiB) | plan - measured | the plan's peak phase "
-        "| its largest term |",
-        "| --- | ---: | ---: | ---: | --- | --- |",
+        "| its largest term | measured on |",
+        "| --- | ---: | ---: | ---: | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
             f"| {r['case']} | {r['planned_gib']:.2f} | {r['measured_gib']:.2f} | {100 * r['error']:+.0f}% | "
-            f"{r['planned_phase']} | {r['largest_term']} ({r['largest_term_gib']:.2f}) |"
+            f"{r['planned_phase']} | {r['largest_term']} ({r['largest_term_gib']:.2f}) | {r['measured_on']} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -228,16 +258,16 @@ def main() -> None:
     ran = [n for n in CASES if (out / n / "metrics.json").is_file()]
     if args.replan:  # the runs here, and the cases whose peaks cases.json recorded, against today's plan
         recorded = {
-            r["case"]: r["measured_gib"] * GiB for r in json.loads((target / "cases.json").read_text())
+            r["case"]: (r["measured_gib"] * GiB, r.get("measured_on") or EARLIER)
+            for r in json.loads((target / "cases.json").read_text())
         }
         rows = []
         for name in [n for n in CASES if n in ran or n in recorded]:
             run = out / name if name in ran else out / "replanned" / name
             run.mkdir(parents=True, exist_ok=True)
             replan(CASES[name], run)
-            rows.append(
-                compare(name, CASES[name], run, now=True, measured=0.0 if name in ran else recorded[name])
-            )
+            measured, on = (0.0, "") if name in ran else recorded[name]
+            rows.append(compare(name, CASES[name], run, now=True, measured=measured, on=on))
             print(report(rows[-1:]).splitlines()[-1], flush=True)
     else:
         if not args.report:

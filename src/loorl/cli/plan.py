@@ -43,7 +43,8 @@ def memory_plan(cfg: DictConfig, s, task=None) -> tuple[Plan, Plan | None] | Non
     prompt = None
     tokenizer = tokenizer_at_hand(s.model) if task is not None else None
     if tokenizer is not None:
-        prompt = longest_prompt(task, tokenizer, prompts_per_step=s.rl.prompts_per_step, seed=s.run.seed)
+        prompt = longest_prompt(task, tokenizer, prompts_per_step=s.rl.prompts_per_step, seed=s.run.seed,
+                                max_prompt_length=s.rollout.max_prompt_length)  # fmt: skip
     if s.run.plan_device:  # another machine's device
         on_cuda, device_bytes, devices_on_node = parse_plan_device(s.run.plan_device)
     else:

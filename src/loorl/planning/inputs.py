@@ -4,6 +4,7 @@ the meta device: no weights, no download) and the `Workload` one process carries
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import ctypes.util
 import logging
@@ -107,10 +108,15 @@ def cuda_memory_bytes() -> int:
     return torch.cuda.get_device_properties(index).total_memory
 
 
-def longest_prompt(task, tokenizer, *, prompts_per_step: int, seed: int) -> int:
+def longest_prompt(task, tokenizer, *, prompts_per_step: int, seed: int, max_prompt_length: int) -> int:
     """The longest prompt in tokens of the first step's and the held-out prompts (what a padded batch
-    is as long as), as the engine encodes them."""
-    prompts = [*task.prompts_for_step(0, prompts_per_step, seed=seed), *task.eval_prompts()]
+    is as long as), as the engine encodes them: rendered with the policy's chat template, which a task
+    applies once it is prepared (`Task.prepare`; a copy is prepared here, the run's own task later). A
+    chat template is most of a short prompt: SmolLM2's system turn makes a 16-token arithmetic question
+    46 tokens."""
+    rendered = copy.copy(task)
+    rendered.prepare(tokenizer, max_prompt_length=max_prompt_length)
+    prompts = [*rendered.prompts_for_step(0, prompts_per_step, seed=seed), *rendered.eval_prompts()]
     return max(len(tokenizer(p.text, add_special_tokens=False).input_ids) for p in prompts)
 
 
@@ -146,6 +152,8 @@ def workload_of(
     k = rl.samples_per_prompt
     packed = rl.microbatch_tokens is not None
     microbatch = rl.microbatch_tokens if packed else rl.prompts_per_microbatch * k * sequence_tokens
+    minibatch = max(1, rl.prompts_per_minibatch // world) * k * sequence_tokens  # a rank's, at most
+    passes = -(-minibatch // microbatch)  # forward-backward passes an optimizer step accumulates
     engine = rollout.engine if rollout.engine != "auto" else ("vllm" if on_cuda else "hf")
     compute = DTYPE_BYTES[model.dtype]
     per_step = max(1, rl.prompts_per_step * k // world)
@@ -175,6 +183,7 @@ def workload_of(
         sequence_tokens=sequence_tokens,
         microbatch_tokens=microbatch,
         packed=packed,
+        microbatches_per_step=passes,
         samples_per_prompt=k,
         chunk_tokens=rl.logprob_chunk_tokens,
         engine=engine,

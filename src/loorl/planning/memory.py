@@ -85,6 +85,7 @@ class Workload:
     sequence_tokens: int = 1  # T: a sequence's tokens at most (prompt and completion)
     microbatch_tokens: int = 1  # n T: a micro-batch's tokens (padded: sequences x T; packed: the cap)
     packed: bool = False  # rl.microbatch_tokens sets the micro-batches (else rl.prompts_per_microbatch)
+    microbatches_per_step: int = 2  # forward-backward passes an optimizer step accumulates (2: several)
     samples_per_prompt: int = 1  # K (a padded micro-batch is whole groups)
     chunk_tokens: int = 512  # c: rl.logprob_chunk_tokens
     engine: str = "hf"  # hf | vllm | vllm_server (elsewhere: nothing here)
@@ -154,15 +155,16 @@ def training_state(a: Architecture, w: Workload) -> list[Term]:
             ),
         ]
     if w.lora and w.compute_bytes < w.frozen_bytes:  # autocast does not cache a frozen weight's cast: each
-        # use casts it anew; the largest (the output layer) is held at once, kept for the log-prob
-        # backward in training and made at every decoding step of the HF engine
+        # use casts it anew. In training every linear saves its cast for the backward (the gradient of
+        # its input), so a forward holds the whole base's casts (measured: a layer's bf16 weights a pass,
+        # SmolLM2, issue 79); a decoding step (no autograd) holds the largest, the output layer's
         cast = a.largest_parameter * w.compute_bytes
         terms.append(
             Term(
                 "autocast's per-use cast (frozen base)",
-                cast,
+                a.parameters * w.compute_bytes / w.shards,
                 cast if w.engine == "hf" else 0.0,
-                f"the largest tensor x {w.compute_bytes}",
+                f"training: Ψ x {w.compute_bytes}; decoding: the largest tensor x {w.compute_bytes}",
             )  # fmt: skip
         )
     casts = not w.lora and w.compute_bytes < w.master_bytes
@@ -198,17 +200,40 @@ def fsdp_units(a: Architecture, w: Workload) -> list[Term]:
     ]
 
 
+def residual_bytes(w: Workload) -> int:
+    """The residual stream's bytes an element: float32 over float32 weights (autocast casts at each
+    projection), the compute dtype over a low-precision LoRA base or without autocast."""
+    return 4 if w.master_bytes == 4 and not (w.lora and w.frozen_bytes < 4) else w.compute_bytes
+
+
+def layer_width(a: Architecture, w: Workload) -> tuple[int, str]:
+    """The bytes one decoder layer saves for its backward a token (`a.kv_heads` x `a.head_dim` = kv),
+    from the tensors autograd saves in a Llama layer (SmolLM2, counted with `saved_tensors_hooks`, issue
+    79): each RMSNorm its float32 input and normalised output (8h, twice); the attention's q, k, v
+    after the rotary embedding, its output and o_proj's input; the MLP's gate, up, their product and
+    the activation (four I-wide tensors).
+    - bf16 autocast over a float32 residual: the norms 16h, the projections' bf16 casts of their
+      inputs (q, k, v, gate, up: 10h), q 2h and k, v 4kv, attention out and o_proj's input 4h, the MLP 8I:
+      32h + 4kv + 8I (measured 31.5 kB a token against 31.5 computed, h 576, kv 192, I 1536);
+    - float32: no casts, 4-byte tensors: 28h + 8kv + 16I (measured 44.7 kB, computed 42.2);
+    - LoRA over a bf16 base: a bf16 residual, the adapters' inputs and rank-wide outputs beside the
+      base's: 26h + 4kv + 8I (measured 27.8 kB, computed 28.0)."""
+    h, kv, i = a.hidden, a.kv_heads * a.head_dim, a.intermediate
+    if w.compute_bytes == 4:
+        return 28 * h + 8 * kv + 16 * i, "(28h + 8kv + 16I)"
+    if residual_bytes(w) == 4:
+        return 32 * h + 4 * kv + 8 * i, "(32h + 4kv + 8I)"
+    return 26 * h + 4 * kv + 8 * i, "(26h + 4kv + 8I)"
+
+
 def activations(a: Architecture, w: Workload) -> list[Term]:
     """One micro-batch's activations at the training phase's peak (nothing of them while generating)."""
     nt = w.microbatch_tokens
-    h, i = a.hidden, a.intermediate
-    # a layer's saved tensors a token: float32 norms and residual, the attention's inputs and output,
-    # the MLP's three I-wide tensors; under bf16 autocast each projection saves its own bf16 cast
-    width = 40 * h + (8 if w.compute_bytes == 2 else 16) * i
-    width_how = f"(40h + {8 if w.compute_bytes == 2 else 16}I)"
+    width, width_how = layer_width(a, w)
+    h = a.hidden
     per_layer = nt * width
     if w.checkpointing:
-        residual = 4 if w.master_bytes == 4 and not (w.lora and w.frozen_bytes < 4) else w.compute_bytes
+        residual = residual_bytes(w)
         inputs = a.layers * nt * h * residual
         terms = [
             Term("checkpointed layer inputs", inputs, 0.0, f"L n T h x {residual}"),
@@ -265,6 +290,8 @@ def generation(a: Architecture, w: Workload) -> list[Term]:
 def make_plan(a: Architecture, w: Workload, overrides: tuple[str, ...] = ()) -> Plan:
     base = "CUDA context and slack" if w.device == "cuda" else "process before the model (measured)"
     state, transient = training_state(a, w), activations(a, w)
+    if w.microbatches_per_step == 1:  # the backward frees a layer's activations as its gradients appear
+        state = gradients_replace_activations(state, transient)
     casts = [t for t in state if t.name in ("autocast weight casts", "autocast's per-use cast (frozen base)")]
     freed = sum(t.training for t in [*transient, *casts])  # gone when the optimizer steps
     terms = [
@@ -277,6 +304,22 @@ def make_plan(a: Architecture, w: Workload, overrides: tuple[str, ...] = ()) -> 
         Term(base, w.base_bytes, w.base_bytes, "fixed"),
     ]
     return Plan(tuple(terms), w.device, w.device_bytes, overrides, sampling_on_training=phases_add(a, w))
+
+
+def gradients_replace_activations(state: list[Term], transient: list[Term]) -> list[Term]:
+    """With one micro-batch an optimizer step, no gradient exists when the backward starts (the last
+    step's were freed) and it frees each layer's activations as that layer's gradients appear: the
+    gradients count only where they outgrow the layers' activations (with several micro-batches the
+    first one's gradients are held through the next one's forward, and both count)."""
+    layers = sum(
+        t.training for t in transient if t.name in ("layer activations", "checkpointed layer inputs")
+    )
+    return [
+        Term(t.name, max(0.0, t.training - layers), t.generating, f"{t.how}; beyond the activations it frees")
+        if t.name == "gradients"
+        else t
+        for t in state
+    ]
 
 
 def phases_add(a: Architecture, w: Workload) -> bool:
