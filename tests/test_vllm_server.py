@@ -67,7 +67,9 @@ def test_a_run_with_its_own_server_trains_at_most_n_versions_behind(quick_config
     samples = cfg.rl.prompts_per_step * cfg.rl.samples_per_prompt
     assert summary["staleness_lag_max"] == max(lags) <= 2.0
     counted = [summary.get(f"staleness_samples_lag_{k}", 0.0) for k in range(3)]
-    assert counted[0] == samples and sum(counted) == 4 * samples, counted  # every sample at a lag <= 2
+    # every sample at a lag <= 2; step 0's at lag 0, and a later step's where the server started them only
+    # once that step's own weights had arrived (a loaded CI worker: [42, 54, 32] of 32 a step)
+    assert counted[0] >= samples and sum(counted) == 4 * samples, counted
     assert not [k for k in summary if k.startswith("staleness_samples_lag_") and int(k.rsplit("_", 1)[1]) > 2]
     assert summary["staleness_dropped_samples"] == 0.0
     sync_bytes = [
