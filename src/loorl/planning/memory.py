@@ -45,7 +45,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-GiB = 2**30
+from loorl.util.units import GiB
+
+# the terms gradients_replace_activations weighs against each other, by their names in the table
+GRADIENTS = "gradients"
+LAYER_ACTIVATIONS = "layer activations"
+CHECKPOINTED_INPUTS = "checkpointed layer inputs"
 CUDA_SLACK = 2 * GiB  # the CUDA context and the caching allocator's fragments (docs/performance/7b.md)
 
 
@@ -149,7 +154,7 @@ def training_state(a: Architecture, w: Workload) -> list[Term]:
         on_device = 0.0 if w.offload else 1.0
         terms = [
             Term("weights", shard * on_device, shard * on_device, f"Ψ x {w.master_bytes} / N"),
-            Term("gradients", shard * on_device, 0.0, f"Ψ x {w.master_bytes} / N, freed after the step"),
+            Term(GRADIENTS, shard * on_device, 0.0, f"Ψ x {w.master_bytes} / N, freed after the step"),
             Term(
                 "AdamW moments", 2 * shard * on_device, 2 * shard * on_device, f"Ψ x {2 * w.master_bytes} / N"
             ),
@@ -236,11 +241,11 @@ def activations(a: Architecture, w: Workload) -> list[Term]:
         residual = residual_bytes(w)
         inputs = a.layers * nt * h * residual
         terms = [
-            Term("checkpointed layer inputs", inputs, 0.0, f"L n T h x {residual}"),
+            Term(CHECKPOINTED_INPUTS, inputs, 0.0, f"L n T h x {residual}"),
             Term("recomputed layer", 2 * per_layer, 0.0, f"2 n T {width_how}"),
         ]
     else:
-        terms = [Term("layer activations", a.layers * per_layer, 0.0, f"L n T {width_how}")]
+        terms = [Term(LAYER_ACTIVATIONS, a.layers * per_layer, 0.0, f"L n T {width_how}")]
     chunk = min(w.chunk_tokens, nt) * a.vocab * 12
     terms.append(Term("log-prob chunk", chunk, 0.0, "c V x 12"))
     if w.device == "cpu":  # the CPU matmul wants the output layer's weight untransposed: a copy a pass
@@ -311,12 +316,10 @@ def gradients_replace_activations(state: list[Term], transient: list[Term]) -> l
     step's were freed) and it frees each layer's activations as that layer's gradients appear: the
     gradients count only where they outgrow the layers' activations (with several micro-batches the
     first one's gradients are held through the next one's forward, and both count)."""
-    layers = sum(
-        t.training for t in transient if t.name in ("layer activations", "checkpointed layer inputs")
-    )
+    layers = sum(t.training for t in transient if t.name in (LAYER_ACTIVATIONS, CHECKPOINTED_INPUTS))
     return [
         Term(t.name, max(0.0, t.training - layers), t.generating, f"{t.how}; beyond the activations it frees")
-        if t.name == "gradients"
+        if t.name == GRADIENTS
         else t
         for t in state
     ]

@@ -34,10 +34,10 @@ from pathlib import Path
 import torch
 
 from loorl.util.hardware import cuda_in_use
+from loorl.util.units import GiB
 
 _CLEAR_REFS, _STATUS = Path("/proc/self/clear_refs"), Path("/proc/self/status")
 _HOST = ("VmHWM", "VmRSS")  # the lines of /proc/self/status read: the high-water mark, the resident set
-GiB = 2**30  # every memory figure a user reads is in GiB, as the memory plan's and the devices'
 
 
 class _Block:

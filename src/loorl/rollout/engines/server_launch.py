@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from loorl.util.units import gib_to_bytes
+
 log = logging.getLogger(__name__)
 
 # the environment every loorl-facing server needs: the RL endpoints (/pause, /init_weight_transfer_engine,
@@ -66,7 +68,7 @@ def server_command(
     if served_name:
         command += ["--served-model-name", served_name]
     if kv_cache_memory_gib is not None:
-        command += ["--kv-cache-memory-bytes", str(int(kv_cache_memory_gib * 2**30))]
+        command += ["--kv-cache-memory-bytes", str(gib_to_bytes(kv_cache_memory_gib))]
     if gpu_memory_utilization is not None:
         command += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
     if not prefix_caching:

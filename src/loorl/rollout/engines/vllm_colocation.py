@@ -15,6 +15,7 @@ import numpy as np
 
 from loorl.parallel.distributed import rank_and_world
 from loorl.util.hardware import cuda_available
+from loorl.util.units import gib_to_bytes
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ def llm_arguments(
         "enforce_eager": enforce_eager,
     }
     if kv_cache_memory_gib is not None:
-        args["kv_cache_memory_bytes"] = int(kv_cache_memory_gib * 2**30)
+        args["kv_cache_memory_bytes"] = gib_to_bytes(kv_cache_memory_gib)
     if not chunked_prefill:  # whole prompts per step: the budget must hold the longest one
         args |= {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 8192)}
     if colocation is not None:
