@@ -326,7 +326,7 @@ def test_trainer_instantiates(default_cfg, tmp_path, name):
     assert cfg.trainer.max_epochs == 3
     assert cfg.trainer.reload_dataloaders_every_n_epochs == 1
     extra = {"accelerator": "cpu"} if cfg.trainer.accelerator == "gpu" else {}
-    from loorl.cli.train import trainer_precision
+    from loorl.cli.trainer_parts import trainer_precision
 
     extra["precision"] = trainer_precision(cfg)  # `auto` is resolved by loorl, not Lightning
     trainer = instantiate(cfg.trainer, logger=False, enable_progress_bar=False, **extra)

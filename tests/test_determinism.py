@@ -13,8 +13,10 @@ import lightning as L
 import pytest
 from hydra.utils import instantiate
 
-from loorl.cli import train as cli
-from loorl.cli.train import determinism_note, note_determinism, trainer_precision
+from loorl.cli import train_job as cli
+from loorl.cli.train import train
+from loorl.cli.train_job import determinism_note, note_determinism
+from loorl.cli.trainer_parts import trainer_precision
 
 
 @pytest.mark.parametrize("deterministic", [False, None, "warn"])
@@ -111,5 +113,5 @@ def test_train_notes_before_it_validates_or_resumes(monkeypatch, quick_cfg):
     monkeypatch.setattr(cli, "build_run", lambda s, task: parts)
     monkeypatch.setattr(cli, "note_determinism", record_and_stop)
     with pytest.raises(Stop):
-        cli.train(quick_cfg("rl.steps=1", "export_policy=false", "trainer.enable_progress_bar=false"))
+        train(quick_cfg("rl.steps=1", "export_policy=false", "trainer.enable_progress_bar=false"))
     assert seen == [(True, False)]

@@ -23,7 +23,8 @@ from safetensors.torch import load_file
 
 from fixtures import child_env, needs_cuda, tiny_model_and_prompts
 from loorl.algo.logprobs import completion_logits, completion_logprobs, token_logprobs
-from loorl.cli.train import train, trainer_precision
+from loorl.cli.train import train
+from loorl.cli.trainer_parts import trainer_precision
 from loorl.models.tiny import ensure_tiny_model
 from loorl.rollout.batch import assemble
 from loorl.rollout.engines.hf_engine import HFEngine

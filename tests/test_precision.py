@@ -10,7 +10,8 @@ from hydra.utils import instantiate
 from safetensors.torch import load_file
 
 from fixtures import ON_CPU
-from loorl.cli.train import train, trainer_precision
+from loorl.cli.train import train
+from loorl.cli.trainer_parts import trainer_precision
 from loorl.errors import ConfigError
 from loorl.models.tiny import ensure_tiny_model
 

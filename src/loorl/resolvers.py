@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 
 from omegaconf import OmegaConf
 
@@ -76,16 +77,29 @@ def completion_tokens(max_new_tokens, max_turns, max_tokens) -> int:
     )
 
 
-def on_rank_zero(value):
-    from lightning.pytorch.utilities import rank_zero_only  # the rank torchrun, srun or Lightning gave
+# Lightning reads a process's rank from these, in this order (lightning.fabric.utilities.rank_zero)
+RANK_VARIABLES = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
 
-    return value if rank_zero_only.rank == 0 else None
+
+def launch_rank() -> int:
+    """The rank torchrun, srun or Lightning gave this process: `rank_zero_only.rank`, which Lightning
+    sets on import and its Trainer at set-up, else (Lightning not imported yet) the environment it reads
+    it from. A run's config is resolved and checked before Lightning loads (7 of a bad command's 10 s):
+    Lightning's `_get_rank` is private, so its four lines are repeated here."""
+    from lightning_utilities.core.rank_zero import rank_zero_only  # the object Lightning sets (light)
+
+    rank = getattr(rank_zero_only, "rank", None)
+    if rank is None:
+        rank = next((int(os.environ[k]) for k in RANK_VARIABLES if os.environ.get(k) is not None), 0)
+    return rank
+
+
+def on_rank_zero(value):
+    return value if launch_rank() == 0 else None
 
 
 def per_rank(name: str) -> str:
-    from lightning.pytorch.utilities import rank_zero_only
-
-    rank = rank_zero_only.rank
+    rank = launch_rank()
     return str(name) if rank == 0 else f"{name}_rank{rank}"
 
 

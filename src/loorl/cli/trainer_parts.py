@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,11 +17,17 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from loorl.cli.console import ProgressLines
 from loorl.models.random_weights import export_folder_name
 from loorl.models.sources import model_label
 from loorl.rollout.engines.sync import EngineSync
-from loorl.training.callbacks import HFExport, PhaseMemory, RunSummary, SampleLog, TrimFreedMemory
+from loorl.training.callbacks import (
+    HFExport,
+    PhaseMemory,
+    RunSummary,
+    SampleLog,
+    TrimFreedMemory,
+    rl_steps_done,
+)
 from loorl.training.checkpoints import AtomicCheckpointIO
 from loorl.training.graceful_stop import GracefulStop, slurm_environment
 from loorl.training.rank_checks import RankChecks
@@ -47,7 +54,7 @@ def trainer_precision(cfg: DictConfig) -> str:
 
 def run_summary(s, *, output_dir: Path, facts: dict[str, str]) -> RunSummary:
     """The callback that writes summary.md, metrics.json and the plot, titled by estimator, task and
-    model; `facts`: the lines it states as they are (`loorl.cli.train.run_facts`)."""
+    model; `facts`: the lines it states as they are (`loorl.cli.train_job.run_facts`)."""
     return RunSummary(
         str(output_dir),
         title=f"{s.estimator.label} on {s.task['name']} ({model_label(s.model)})",
@@ -160,3 +167,25 @@ def finish_loggers(loggers: list) -> None:
     for logger in loggers:
         if type(logger).__name__ == "WandbLogger" and logger._experiment is not None:
             logger.experiment.finish()
+
+
+class ProgressLines(L.Callback):
+    """One log line per validation (step, reward, held-out accuracy, elapsed time): progress for
+    output that is not a terminal, where a progress bar's carriage-return redraws are noise."""
+
+    def __init__(self, total_steps: int) -> None:
+        self.total_steps = total_steps
+        self.started = time.perf_counter()
+
+    @rank_zero_only
+    def on_validation_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.sanity_checking:
+            return
+        m = trainer.callback_metrics
+        step = rl_steps_done(trainer)
+        parts = [f"step {step}/{self.total_steps}"]
+        for key in ("rollout/reward", "val/accuracy", "val/pass_at_k"):
+            if key in m and (key != "rollout/reward" or step > 0):
+                parts.append(f"{key} {float(m[key]):.3f}")
+        parts.append(f"{time.perf_counter() - self.started:.0f} s")
+        logging.getLogger("loorl").info("  ".join(parts))  # the package's logger, as the run's other lines
