@@ -16,6 +16,7 @@ import fcntl
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -331,3 +332,26 @@ def follows_one_optimizer_step(setup, weights) -> dict:
     assert max_mismatch(engine.generate(prompts, n=4)) < 1e-4
     assert max_mismatch(stale) > 1e-3
     return metrics
+
+
+# What an instruct model's generation_config.json may hold, made worse: every field changes sampling.
+HOSTILE_GENERATION_CONFIG = {
+    "repetition_penalty": 1.5,
+    "temperature": 0.3,
+    "top_p": 0.5,
+    "top_k": 3,
+    "do_sample": True,
+    "no_repeat_ngram_size": 2,
+}
+
+
+def copy_model(src, dst, *, generation: dict | None = None, config: dict | None = None):
+    """A copy of the model folder `src` at `dst`, its generation_config.json and config.json updated."""
+    shutil.copytree(src, dst)
+    gen_path = dst / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
+    gen_path.write_text(json.dumps({**gen, **(generation or {})}))
+    if config:
+        cfg_path = dst / "config.json"
+        cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), **config}))
+    return dst

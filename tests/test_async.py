@@ -23,7 +23,7 @@ from loorl.config import check_config
 from loorl.errors import ConfigError
 from loorl.models.sources import resolve_model_path
 from loorl.types import RolloutBatch
-from test_resume import ROOT, _command, _env, _run, _start_and_signal
+from test_resume import EVERY, RL_STEPS, ROOT, _command, _env, _run, _start_and_signal
 
 ASYNC = "rollout.max_staleness=1"
 
@@ -111,7 +111,7 @@ def _rows(run: Path) -> list[dict[str, str]]:
 
 def _assert_lagged_and_corrected(run: Path) -> list[dict[str, str]]:
     rows = _rows(run)
-    assert [float(r["rollout/policy_lag"]) for r in rows] == [0.0] + [1.0] * 29
+    assert [float(r["rollout/policy_lag"]) for r in rows] == [0.0] + [1.0] * (RL_STEPS - 1)
     assert rows[0].get("train/ratio_mean", "") == ""  # the first step samples its own rollout: on-policy
     for r in rows[1:]:  # the others are corrected: importance ratios, their spread, the clipped share
         assert abs(float(r["train/ratio_mean"]) - 1) < 0.5 and float(r["train/ratio_std"]) > 0
@@ -168,7 +168,7 @@ def test_the_sampler_process_samples_what_the_training_process_would(tmp_path, m
 def test_the_sampler_process_samples_in_the_trainers_bf16_autocast(tmp_path, model_cache, quick_cfg):
     """Under bf16-mixed the request carries the trainer's autocast dtype: the sampler process samples as
     the training process would, to the last digit (validation included)."""
-    from loorl.cli.train import trainer_precision
+    from loorl.cli.trainer_parts import trainer_precision
 
     assert trainer_precision(quick_cfg("model.dtype=bfloat16")) == "bf16-mixed"
     runs = {devices: tmp_path / devices for devices in ("auto", "trainer")}
@@ -200,13 +200,15 @@ def test_a_killed_one_step_off_run_resumes_to_the_same_run(tmp_path, model_cache
     """The rollout sampled ahead is in the checkpoint: the resumed run trains on it, as the
     uninterrupted run did (regenerating it would need the previous step's weights)."""
     straight, run = straight_run, tmp_path / "run"
-    first = run / "checkpoints" / "epoch=19-step=20.ckpt"
+    kill_at = 2 * EVERY  # after the second checkpoint
+    first = run / "checkpoints" / f"epoch={kill_at - 1}-step={kill_at}.ckpt"
     killed = _start_and_signal(_command(run, model_cache, ASYNC), first, signal.SIGKILL)
     assert killed.returncode == -signal.SIGKILL
     saved = torch.load(first, map_location="cpu", weights_only=False)["RolloutDataModule"]["pending_by_rank"][
         0
     ]
-    assert list(saved) == [20] and saved[20]["policy_version"] == 19  # step 20's rollout, step 19's weights
+    # step kill_at's rollout, sampled with step kill_at - 1's weights
+    assert list(saved) == [kill_at] and saved[kill_at]["policy_version"] == kill_at - 1
     _run(_command(run, model_cache, ASYNC, "resume_from=auto"))
     assert_same_run(straight, run)
 
@@ -219,7 +221,7 @@ def test_a_stopped_data_parallel_one_step_off_run_resumes_to_the_same_run(tmp_pa
     straight, run = tmp_path / "straight", tmp_path / "run"
     _run(_command(straight, model_cache, *ddp))
     _assert_lagged_and_corrected(straight)
-    first = run / "checkpoints" / "epoch=9-step=10.ckpt"
+    first = run / "checkpoints" / f"epoch={EVERY - 1}-step={EVERY}.ckpt"
     stopped = _start_and_signal(_command(run, model_cache, *ddp), first, signal.SIGTERM)
     assert stopped.returncode == 0  # finished its step, wrote last.ckpt, stopped
     saved = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)

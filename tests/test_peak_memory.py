@@ -186,7 +186,8 @@ def sweep(model_cache, tmp_path_factory) -> Path:
     `scripts/research/ablate.py` runs them."""
     out = tmp_path_factory.mktemp("sweep")
     command = [sys.executable, str(ROOT / "src" / "train.py"), "-m", "seed=0,0,0,0", "debug=quick",
-               "rollout=hf", f"model.cache_dir={model_cache}", *WIDER, "val_every=100",
+               "rollout=hf", f"model.cache_dir={model_cache}", *WIDER, "val_every=100", "val_pass_k=0",
+               "task.eval_size=32",  # (the step-0 validation: 32 greedy prompts, not 200 and 4 samples each)
                "checkpoint_every=0", "export_policy=false", "trainer.enable_progress_bar=false",
                f"hydra.sweep.dir={out}"]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)

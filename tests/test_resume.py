@@ -37,7 +37,10 @@ from loorl.training.checkpoints import (
 from loorl.training.resume import previous_metrics_rows, resolve_resume
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = ["rl.steps=30", "checkpoint_every=10", "val_every=5"]  # the issue's experiment, on the quick profile
+# the issue's experiment (30 steps, a checkpoint every 10, killed after the second) at 12, 4 and 8 steps: the
+# same kills, resumes and pruning (checkpoint_keep=2) in 40% of the steps
+RL_STEPS, EVERY = 12, 4  # the steps; the checkpoints' and validations' interval
+STEPS = [f"rl.steps={RL_STEPS}", f"checkpoint_every={EVERY}", f"val_every={EVERY}"]
 
 
 def _command(run: Path, model_cache: Path, *overrides: str) -> list[str]:
@@ -73,14 +76,14 @@ def uninterrupted(tmp_path_factory, model_cache) -> Path:
 def test_a_run_killed_after_a_checkpoint_resumes_to_the_same_run(uninterrupted, tmp_path, model_cache):
     run = tmp_path / "run"
     killed = _start_and_signal(
-        _command(run, model_cache), run / "checkpoints" / "epoch=19-step=20.ckpt", signal.SIGKILL
+        _command(run, model_cache), run / "checkpoints" / "epoch=7-step=8.ckpt", signal.SIGKILL
     )
     assert killed.returncode == -signal.SIGKILL
-    _run(_command(run, model_cache, "resume_from=auto"))  # the newest complete checkpoint: step 20
+    _run(_command(run, model_cache, "resume_from=auto"))  # the newest complete checkpoint: step 8
     assert_same_run(uninterrupted, run)
     # checkpoint_keep=2: the two newest periodic checkpoints stay, besides last.ckpt
     names = sorted(p.name for p in (uninterrupted / "checkpoints").iterdir())
-    assert names == ["epoch=19-step=20.ckpt", "epoch=29-step=30.ckpt", "last.ckpt"]
+    assert names == ["epoch=11-step=12.ckpt", "epoch=7-step=8.ckpt", "last.ckpt"]
 
 
 @pytest.mark.slow
@@ -93,7 +96,7 @@ def test_other_engines_and_strategies_resume_to_the_same_run(tmp_path, model_cac
     """vLLM's per-prompt seeds, FSDP's folders of shards: the same exactness as the HF engine."""
     straight, run = tmp_path / "straight", tmp_path / "run"
     _run(_command(straight, model_cache, *overrides))
-    first = run / "checkpoints" / "epoch=19-step=20.ckpt"
+    first = run / "checkpoints" / "epoch=7-step=8.ckpt"
     killed = _start_and_signal(_command(run, model_cache, *overrides), first, signal.SIGKILL)
     assert killed.returncode == -signal.SIGKILL
     _run(_command(run, model_cache, *overrides, "resume_from=auto"))
@@ -109,7 +112,7 @@ def test_a_killed_lora_run_resumes_to_the_same_run(tmp_path, model_cache):
     lora = ("model.lora={r: 4}", "kl.coef=0.05")
     straight, run = tmp_path / "straight", tmp_path / "run"
     _run(_command(straight, model_cache, *lora))
-    first = run / "checkpoints" / "epoch=19-step=20.ckpt"
+    first = run / "checkpoints" / "epoch=7-step=8.ckpt"
     killed = _start_and_signal(_command(run, model_cache, *lora), first, signal.SIGKILL)
     assert killed.returncode == -signal.SIGKILL
     state = read_checkpoint(first)["state_dict"]
@@ -147,10 +150,10 @@ def test_a_stop_signal_writes_a_checkpoint_and_summary_and_the_same_command_cont
 ):
     run = tmp_path / "run"
     command = _command(run, model_cache, "resume_from=auto")  # the command a preempted job re-submits
-    stopped = _start_and_signal(command, run / "checkpoints" / "epoch=9-step=10.ckpt", sig)
+    stopped = _start_and_signal(command, run / "checkpoints" / "epoch=3-step=4.ckpt", sig)
     assert stopped.returncode == 0
     steps_done = json.loads((run / "metrics.json").read_text())["summary"]["rl_steps"]
-    assert 10 <= steps_done < 30 and (run / "summary.md").exists()
+    assert 4 <= steps_done < 12 and (run / "summary.md").exists()
     assert read_checkpoint(run / "checkpoints" / "last.ckpt")["global_step"] == steps_done
     _run(command)
     assert_same_run(uninterrupted, run)

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 
 import pytest
 import torch
 from hydra.utils import instantiate
 
-from fixtures import needs_vllm
+from fixtures import HOSTILE_GENERATION_CONFIG, copy_model, needs_vllm
 from loorl.algo.logprobs import filter_logits, token_entropy, token_logprobs
 from loorl.cli.train import train
 from loorl.models.load import load_causal_lm, load_tokenizer
@@ -20,16 +19,6 @@ from loorl.rollout.engines.base import eos_token_ids
 from loorl.rollout.engines.hf_engine import HFEngine
 from loorl.types import SamplingConfig
 
-# What an instruct model's generation_config.json may hold, made worse: every field changes sampling.
-HOSTILE_GENERATION_CONFIG = {
-    "repetition_penalty": 1.5,
-    "temperature": 0.3,
-    "top_p": 0.5,
-    "top_k": 3,
-    "do_sample": True,
-    "no_repeat_ngram_size": 2,
-}
-
 
 @pytest.fixture(scope="module")
 def tiny_dir(quick_config):
@@ -37,20 +26,9 @@ def tiny_dir(quick_config):
     return ensure_tiny_model(cfg.model, cfg.task, instantiate(cfg.task))
 
 
-def _copy_model(src, dst, *, generation: dict | None = None, config: dict | None = None):
-    shutil.copytree(src, dst)
-    gen_path = dst / "generation_config.json"
-    gen = json.loads(gen_path.read_text()) if gen_path.exists() else {}
-    gen_path.write_text(json.dumps({**gen, **(generation or {})}))
-    if config:
-        cfg_path = dst / "config.json"
-        cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), **config}))
-    return dst
-
-
 @pytest.fixture(scope="module")
 def hostile_dir(tiny_dir, tmp_path_factory):
-    return _copy_model(
+    return copy_model(
         tiny_dir, tmp_path_factory.mktemp("hostile") / "model", generation=HOSTILE_GENERATION_CONFIG
     )
 
@@ -68,12 +46,7 @@ def test_model_generation_config_does_not_change_the_hf_sampler(quick_config, ho
     assert worst < 1e-4, worst  # with the model's repetition penalty leaking in it was ~0.1
 
 
-@pytest.mark.vllm
-@needs_vllm
-def test_model_generation_config_does_not_change_the_vllm_sampler(quick_config, hostile_dir, tmp_path):
-    history = _history(quick_config, tmp_path, f"model.name_or_path={hostile_dir}", "rollout=vllm")
-    worst = max(v for _, v in history["train/sampler_logratio_max"])
-    assert worst < 1e-3, worst
+# vLLM's sampler on the same model: tests/test_vllm.py's training run (one vLLM run for both checks)
 
 
 def test_greedy_is_deterministic_argmax_despite_the_model_config(hostile_dir):
@@ -166,7 +139,7 @@ def two_eos_dir(tiny_dir, tmp_path_factory):
     tok = load_tokenizer(str(tiny_dir))
     five = tok.convert_tokens_to_ids("5")
     ids = [tok.eos_token_id, five]  # "5" plays a second EOS, like Qwen's <|endoftext|>
-    path = _copy_model(
+    path = copy_model(
         tiny_dir,
         tmp_path_factory.mktemp("two_eos") / "model",
         generation={"eos_token_id": ids},

@@ -6,8 +6,16 @@ from collections import Counter
 
 import pytest
 import torch
+from hydra.utils import instantiate
 
-from fixtures import DIGIT_TOOLS, RESULT, follows_one_optimizer_step, policy_and_rollouts
+from fixtures import (
+    DIGIT_TOOLS,
+    HOSTILE_GENERATION_CONFIG,
+    RESULT,
+    copy_model,
+    follows_one_optimizer_step,
+    policy_and_rollouts,
+)
 from fixtures import token_ids_of as _ids
 from loorl.algo.logprobs import completion_logprobs
 from loorl.build import build_datamodule
@@ -39,12 +47,19 @@ def test_vllm_follows_the_policy_after_an_optimizer_step(setup):
 
 
 def test_vllm_training_run_and_mismatch_metrics(quick_config, tmp_path):
-    cfg = quick_config("rollout=vllm", "rl.steps=3", "loss.tis_cap=2.0", output_dir=tmp_path)
+    """Three steps with vLLM sampling a model whose generation_config.json would change every sampling
+    field: none leaks in (the engine's `generation_config="vllm"`), so the sampler's log-probs are the
+    trainer's and the truncated importance weights 1 (tests/test_sampler.py has the HF engine's case)."""
+    base = quick_config()
+    model = ensure_tiny_model(base.model, base.task, instantiate(base.task))
+    hostile = copy_model(model, tmp_path / "hostile", generation=HOSTILE_GENERATION_CONFIG)
+    cfg = quick_config("rollout=vllm", "rl.steps=3", "loss.tis_cap=2.0", f"model.name_or_path={hostile}",
+                       output_dir=tmp_path / "run")  # fmt: skip
     summary = train(cfg)
     assert summary["optimizer_steps"] == 3
     import json
 
-    history = json.loads((tmp_path / "metrics.json").read_text())["history"]
+    history = json.loads((tmp_path / "run" / "metrics.json").read_text())["history"]
     assert max(v for _, v in history["train/sampler_logratio_max"]) < 1e-3
     assert all(abs(v - 1) < 1e-3 for _, v in history["train/tis_weight_mean"])
 

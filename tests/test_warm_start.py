@@ -83,10 +83,11 @@ def test_warm_start_stops_at_the_first_check_that_reaches_the_target():
     """Stopped at step S: the probe is at the target there and below it at step S - check_every, and
     the model is the fixed-step model of S steps (the probe changes nothing it measures)."""
     task = ArithmeticTask()
-    ws = WarmStartSettings(target_accuracy=0.2, max_steps=1000, check_every=5, probe_size=256, batch_size=32)
+    # a target of 0.1 is reached in about 95 steps here (0.2 took 215: the test ran the warm start 3 times)
+    ws = WarmStartSettings(target_accuracy=0.1, max_steps=1000, check_every=5, probe_size=256, batch_size=32)
     policy, tokenizer, result = _warm_started(ws, task)
     assert 0 < result.steps < ws.max_steps and result.steps % ws.check_every == 0
-    assert result.probe_accuracy >= 0.2
+    assert result.probe_accuracy >= ws.target_accuracy
     assert result.probe_accuracy == _probe_accuracy(policy, tokenizer, task, ws)
 
     fixed = WarmStartSettings(**{**ws.__dict__, "target_accuracy": None, "max_steps": result.steps})
@@ -94,7 +95,7 @@ def test_warm_start_stops_at_the_first_check_that_reaches_the_target():
     assert all(torch.equal(a, b) for a, b in zip(policy.state_dict().values(), same.state_dict().values()))
     earlier = WarmStartSettings(**{**fixed.__dict__, "max_steps": result.steps - ws.check_every})
     before, tokenizer, _ = _warm_started(earlier, task)
-    assert _probe_accuracy(before, tokenizer, task, ws) < 0.2
+    assert _probe_accuracy(before, tokenizer, task, ws) < ws.target_accuracy
 
 
 def test_a_warm_start_that_misses_its_target_warns_and_keeps_the_model(quick_config, tmp_path, caplog):
