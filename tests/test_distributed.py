@@ -109,14 +109,17 @@ def test_minibatches_take_whole_groups_from_every_rank(world):
         ("ddp", ()),
         ("fsdp", ()),
         # FSDP2's CPU offload (a no-op on a CPU device: it must compose and not change the update)
-        # with activation checkpointing, and an unsharded reference
-        (
+        # with activation checkpointing, and an unsharded reference. Slow: offload's sharded clipping
+        # (tests/test_offload.py) and checkpointing's gradients (tests/test_lora.py,
+        # tests/test_shared_prompt.py) stay in the default suite
+        pytest.param(
             "fsdp",
             (
                 "trainer.strategy.offload_params=true",
                 "model.gradient_checkpointing=true",
                 "trainer.strategy.shard_reference=false",
             ),
+            marks=pytest.mark.slow,
         ),
         # packed token-budget micro-batches (the chunked output layer inside FSDP's root forward)
         ("fsdp", ("rl.microbatch_tokens=64",)),
@@ -139,7 +142,9 @@ def single_lora(tmp_path_factory, model_cache) -> dict:
     return one_step(tmp_path_factory.mktemp("one-lora") / "out.pt", model_cache, "auto", 1, *LORA)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+# FSDP's LoRA step is slow: the default suite trains LoRA under FSDP in two processes and resumes it
+# exactly (test_cli_two_processes_resume_a_lora_run_exactly[fsdp])
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_two_processes_take_the_single_process_lora_step(tmp_path, model_cache, single_lora, strategy):
     two = one_step(tmp_path / "out.pt", model_cache, strategy, 2, *LORA)
     assert_the_single_process_step(single_lora, two, strategy)

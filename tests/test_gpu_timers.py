@@ -112,7 +112,8 @@ def test_keep_freed_memory_refuses_other_values_in_one_line(quick_cfg):
 def test_train_asks_the_allocator_only_when_training_on_cpu(monkeypatch, quick_cfg):
     """`train` consults `keeps_freed_memory` with the trainer's accelerator: a GPU trainer under
     `auto` leaves glibc alone (the run itself is stopped right after the decision)."""
-    from loorl.cli import train as cli
+    from loorl.cli import train_job as cli
+    from loorl.cli.train import train
 
     taken = []
 
@@ -128,7 +129,7 @@ def test_train_asks_the_allocator_only_when_training_on_cpu(monkeypatch, quick_c
         taken.clear()
         monkeypatch.setattr(cli, "cuda_available", lambda cuda=cuda: cuda)
         with pytest.raises(Stop):
-            cli.train(quick_cfg(*overrides))
+            train(quick_cfg(*overrides))
         assert taken == expected, overrides
 
 

@@ -130,11 +130,11 @@ def test_a_killed_run_with_dynamic_sampling_resumes_to_the_same_run(tmp_path, mo
     """Dynamic sampling's rounds (their prompts, samples and counts) after a kill -9 are those of the
     run never stopped: every `dynamic/` metric and the rest, exactly. One step off, the rollout sampled
     ahead is checkpointed before its further rounds, which the resumed step draws with its weights."""
-    ds = ("rl.dynamic_sampling.enabled=true", "rl.steps=12", "checkpoint_every=4", "val_every=6", *overrides)
+    ds = ("rl.dynamic_sampling.enabled=true", "rl.steps=9", "checkpoint_every=3", "val_every=3", *overrides)
     straight, run = tmp_path / "straight", tmp_path / "run"
     _run(_command(straight, model_cache, *ds))
     assert any(key == "dynamic/rounds" for key, _ in metric_values(straight))
-    killed = _start_and_signal(_command(run, model_cache, *ds), run / "checkpoints" / "epoch=7-step=8.ckpt",
+    killed = _start_and_signal(_command(run, model_cache, *ds), run / "checkpoints" / "epoch=5-step=6.ckpt",
                                signal.SIGKILL)  # fmt: skip
     assert killed.returncode == -signal.SIGKILL
     _run(_command(run, model_cache, *ds, "resume_from=auto"))
