@@ -94,6 +94,22 @@ def test_a_wrong_url_is_one_line_before_training(quick_config, tmp_path):
 
 
 # ---- the engine's pure parts ---------------------------------------------------------------------
+def test_engines_and_launched_servers_run_eager_on_cpu_unless_told():
+    """`enforce_eager: null`: no compiled graphs on CPU (vLLM's compile there costs ~25 s of start-up),
+    CUDA graphs on GPU; a value given is kept."""
+    from loorl.rollout.engines.vllm_engine import eager_unless_cuda
+    from loorl.rollout.engines.vllm_server import launch_command
+
+    assert eager_unless_cuda(None, cuda=False) and not eager_unless_cuda(None, cuda=True)
+    assert not eager_unless_cuda(False, cuda=False) and eager_unless_cuda(True, cuda=True)
+    where = {"model_path": "m", "port": 8000, "dtype": "float32", "max_model_len": 64, "max_staleness": 0}
+    on_cpu = launch_command(server_settings_of({}), cuda=False, lora_rank=None, **where)
+    assert "--enforce-eager" in on_cpu and "--kv-cache-memory-bytes" in on_cpu
+    assert "--enforce-eager" not in launch_command(server_settings_of({}), cuda=True, lora_rank=None, **where)
+    told = server_settings_of({"enforce_eager": False})
+    assert "--enforce-eager" not in launch_command(told, cuda=False, lora_rank=None, **where)
+
+
 def test_prompts_spread_over_servers_in_whole_blocks_and_shards_hold_a_byte_limit():
     from loorl.rollout.engines.server_requests import spread
     from loorl.rollout.engines.vllm_server import max_loras, transfer_backend

@@ -37,9 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     from loorl.config import compose_config, load_settings
     from loorl.errors import ConfigError
     from loorl.models.sources import resolve_model_path
-    from loorl.rollout.engines.server_launch import SERVER_ENVIRONMENT, server_command
+    from loorl.rollout.engines.server_launch import SERVER_ENVIRONMENT
     from loorl.rollout.engines.vllm_engine import context_length
-    from loorl.rollout.engines.vllm_server import max_loras, server_settings, transfer_backend
+    from loorl.rollout.engines.vllm_server import launch_command, server_settings
     from loorl.util.hardware import cuda_available
 
     overrides = [o for o in args.overrides if not o.startswith("output_dir=")]
@@ -51,17 +51,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     path = resolve_model_path(s.model, s.task, instantiate(s.task))
-    cuda = cuda_available()
-    lora = s.model.lora
-    command = server_command(
-        model_path=path, port=args.port, host=args.host, dtype=server.dtype or s.model.dtype,
+    command = launch_command(
+        server, model_path=path, port=args.port, host=args.host, dtype=server.dtype or s.model.dtype,
         max_model_len=server.max_model_len or context_length(s.rollout, path, s.completion_tokens),
-        backend=transfer_backend(server.backend, cuda=cuda),
-        kv_cache_memory_gib=server.kv_cache_memory_gib or (None if cuda else 1.0),
-        gpu_memory_utilization=server.gpu_memory_utilization,
-        max_loras=max_loras(server, s.rollout.max_staleness) if lora else None,
-        max_lora_rank=lora.r if lora else None, prefix_caching=server.pause == "wait",
-        extra=tuple(server.args),
+        cuda=cuda_available(), lora_rank=s.model.lora.r if s.model.lora else None,
+        max_staleness=s.rollout.max_staleness,
     )  # fmt: skip
     environment = " ".join(f"{k}={v}" for k, v in SERVER_ENVIRONMENT.items())
     print(f"{environment} {shlex.join(command)}", flush=True)

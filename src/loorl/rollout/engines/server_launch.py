@@ -42,6 +42,7 @@ def server_command(
     max_lora_rank: int | None = None,
     served_name: str | None = None,
     prefix_caching: bool = True,
+    enforce_eager: bool = False,
     extra: tuple[str, ...] = (),
 ) -> list[str]:
     """The server's command line. `max_loras`: adapters resident at once (LoRA runs: one per policy
@@ -52,7 +53,7 @@ def server_command(
     token-in, token-out `/inference/v1/generate`, which reports each token's weight version).
     `prefix_caching=False` for `rollout.server.pause=keep`: vLLM clears its prefix cache when a pause
     drains the requests (`wait`), not when it keeps them, and a cached prefix of the old weights would
-    then serve the new version's prompts."""
+    then serve the new version's prompts. `enforce_eager`: no compiled graphs (`eager_unless_cuda`)."""
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model_path,
@@ -73,6 +74,8 @@ def server_command(
         command += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
     if not prefix_caching:
         command += ["--no-enable-prefix-caching"]
+    if enforce_eager:
+        command += ["--enforce-eager"]
     if max_loras:
         command += [
             "--enable-lora",

