@@ -146,10 +146,14 @@ def test_eval_cli_prints_the_table_and_one_line_errors(trained, model_cache, tmp
     assert json.loads((tmp_path / "cli" / "results.json").read_text())["metrics"][
         "pass@1_greedy"
     ] == pytest.approx(summary["val_accuracy_end"], abs=1e-6)
-    bad = subprocess.run(command[:3] + ["eval.k=3", "eval.samples=2", f"hydra.run.dir={tmp_path / 'bad'}"],
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    # a bad setting is one line before Lightning loads (`-X importtime` lists what the command imported)
+    bad = [command[0], "-X", "importtime", *command[1:3], "eval.k=3", "eval.samples=2"]
+    bad = subprocess.run([*bad, f"hydra.run.dir={tmp_path}/bad"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2
     assert bad.stdout.strip().splitlines()[-1].startswith("error: eval.k=3 is more than eval.samples=2")
+    lines = [line for line in bad.stderr.splitlines() if line.startswith("import time:")]
+    imported = {line.rsplit("|", 1)[1].strip() for line in lines}
+    assert "loorl.cli.evaluate" in imported and "lightning" not in imported
 
 
 def test_the_results_table_shows_each_held_out_set_and_keeps_further_levels_out_of_pass_at_1():

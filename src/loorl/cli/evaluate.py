@@ -32,9 +32,7 @@ from loorl.cli.lm_harness import (
 from loorl.config import check_config
 from loorl.errors import ConfigError
 from loorl.models.sources import model_label
-from loorl.rollout.engines.sync import EngineSync
 from loorl.settings import EvalSettings
-from loorl.training.callbacks import SampleLog
 from loorl.training.saved_policy import check_checkpoint, policy_kind
 
 log = logging.getLogger(__name__)
@@ -119,6 +117,8 @@ def own_evaluation(cfg: DictConfig, s, e, kind: str, policy: Path, output_dir: P
 
     from loorl.build import build_run, build_task
     from loorl.cli.trainer_parts import trainer_precision
+    from loorl.rollout.engines.sync import EngineSync  # Lightning: imported once the settings are checked
+    from loorl.training.callbacks import SampleLog
 
     task = build_task(s)
     for name, line in task.run_facts().items():

@@ -12,7 +12,7 @@ from omegaconf import DictConfig
 
 from loorl.errors import ConfigError
 from loorl.models.sources import model_identity
-from loorl.training.checkpoints import IDENTITY_KEY, lora_identity, read_checkpoint
+from loorl.training.run_identity import IDENTITY_KEY, lora_identity
 
 
 def policy_kind(policy: str) -> str:
@@ -33,6 +33,8 @@ def policy_kind(policy: str) -> str:
 def check_checkpoint(path: Path, cfg: DictConfig, *, lora=None) -> None:
     """The checkpoint is a loorl one, one file, and was trained from the configured base model, with the
     configured adapters (`lora`: `model.lora`'s settings) if any."""
+    from loorl.training.checkpoints import read_checkpoint  # (Lightning: only where a checkpoint is read)
+
     try:
         state = read_checkpoint(path)
     except ValueError as err:
