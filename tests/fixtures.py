@@ -52,6 +52,22 @@ DIGIT_TOOLS = (  # the same as config overrides
     "tools.max_tokens=40",
 )
 SRC = Path(__file__).resolve().parents[1] / "src"
+SCRIPTS = SRC.parent / "scripts"
+
+
+def load_script(relative: str):
+    """`scripts/<relative>` as a module, to call its functions (a CLI's `main(argv)`) in this process:
+    its checks and output without another interpreter's start. Registered in `sys.modules` under its
+    file's stem (a dataclass in the script looks its module up there); loaded once."""
+    import sys
+
+    name = Path(relative).stem
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, SCRIPTS / relative)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def child_env(**extra: str) -> dict[str, str]:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import yaml
 
-from fixtures import installed, needs_wandb
+from fixtures import installed, load_script, needs_wandb
 from loorl.research.ablation import markdown_table, summarize
 from loorl.research.ablation_plots import moving_average
 from loorl.research.job_metrics import accuracy_auc, checkpoint_bytes, job_metrics, reach, reach_metrics
@@ -195,16 +195,13 @@ def test_the_table_is_the_mean_and_interval_of_the_runs(sweep):
     assert (out / "curves.png").stat().st_size > 10_000
 
 
-def test_from_reads_the_runs_again_and_a_second_sweep_does_not_overwrite(sweep, tmp_path):
+def test_from_reads_the_runs_again_and_a_second_sweep_does_not_overwrite(sweep, tmp_path, capsys):
     out, _ = sweep
-    again = subprocess.run(ABLATE + ["--from", str(out / "runs"), "--out", str(tmp_path)],
-                           capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert again.returncode == 0, again.stderr[-2000:]
+    ablate = load_script("research/ablate.py")  # its main here: the same code, no interpreter start
+    assert ablate.main(["--from", str(out / "runs"), "--out", str(tmp_path)]) == 0
     assert json.loads((tmp_path / "table.json").read_text()) == json.loads((out / "table.json").read_text())
-    refused = subprocess.run(
-        ABLATE + ["estimators", "--out", str(out)], capture_output=True, text=True, timeout=300
-    )
-    assert refused.returncode == 2 and "exists (an earlier ablation)" in refused.stdout
+    assert ablate.main(["estimators", "--out", str(out)]) == 2
+    assert "exists (an earlier ablation)" in capsys.readouterr().out
 
 
 @needs_wandb
@@ -235,9 +232,15 @@ def test_the_sweep_is_one_wandb_group_of_offline_runs(sweep):
     [(["nope"], "unknown ablation 'nope'"), (["estimators", "--seeds", "0"], "--seeds must be at least 1"),
      (["--from", "/no/such/dir"], "--from /no/such/dir: no such folder"), ([], "name an ablation")],
 )  # fmt: skip
-def test_bad_arguments_are_one_line(args, message):
-    done = subprocess.run(ABLATE + args, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and message in done.stderr
+def test_bad_arguments_are_one_line(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        load_script("research/ablate.py").main(args)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_command_exits_2_with_one_line():
+    done = subprocess.run(ABLATE, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].endswith("or pass --from DIR")
 
 
 def test_the_kl_ablation_sweeps_its_setting_bundles(model_cache, tmp_path):

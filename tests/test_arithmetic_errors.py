@@ -4,15 +4,12 @@ samples.csv and metrics.csv give the table the how-to page shows (docs/how-to/cp
 from __future__ import annotations
 
 import csv
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "research" / "arithmetic_errors.py"
-_spec = importlib.util.spec_from_file_location("arithmetic_errors", _SCRIPT)
-errors = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(errors)
+from fixtures import load_script
+
+errors = load_script("research/arithmetic_errors.py")
 
 
 @pytest.mark.parametrize(

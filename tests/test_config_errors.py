@@ -232,6 +232,9 @@ def error_line(output: str) -> str:
     return errors[0]
 
 
+# The CLI's own tests run one command of each kind: every setting's message is CASES' (in this process);
+# what the command line adds (exit code 2, one `error:` line, no traceback, nothing written) is the same
+# `run_cli` for all of them.
 @pytest.mark.parametrize(
     ("arg", "group", "listed"),
     [
@@ -240,33 +243,30 @@ def error_line(output: str) -> str:
         ("model=nope", "model", ["tiny", "qwen7b"]),
     ],
 )
-def test_cli_unknown_group_option(tmp_path, arg, group, listed):
-    code, out = run_cli(tmp_path, arg)
-    assert code == 2, out
-    line = error_line(out)
-    assert group in line and arg.split("=")[1] in line
+def test_an_unknown_group_option_names_the_options(arg, group, listed):
+    from loorl.config import check_group_choices
+
+    with pytest.raises(ConfigError) as err:
+        check_group_choices([arg])
+    line = str(err.value)
+    assert "\n" not in line and group in line and arg.split("=")[1] in line
     for option in listed:
         assert option in line
+
+
+def test_cli_unknown_group_option(tmp_path):
+    code, out = run_cli(tmp_path, "estimator=foo")
+    assert code == 2, out
+    assert "rloo" in error_line(out)
     assert not (tmp_path / "cache").exists()
     assert not (tmp_path / "run").exists()  # Hydra never started
 
 
-@pytest.mark.parametrize(
-    ("args", "listed"),
-    [
-        (["kl.coef=0.1", "kl.in_reward=false", "kl.estimator=k1"], ["kl.estimator=k2", "kl.estimator=k3"]),
-        (["kl.coef=0.1", "kl.estimator=k3"], ["kl.estimator=k1"]),
-        (["kl.coef=0.1", "kl.estimator=abs"], ["k1", "k2", "k3"]),
-    ],
-    ids=" ".join,
-)
-def test_cli_kl_term_without_a_kl_gradient(tmp_path, args, listed):
-    code, out = run_cli(tmp_path, *args)
+def test_cli_kl_term_without_a_kl_gradient(tmp_path):
+    code, out = run_cli(tmp_path, "kl.coef=0.1", "kl.in_reward=false", "kl.estimator=k1")
     assert code == 2, out
     line = error_line(out)
-    assert "kl.estimator" in line
-    for option in listed:
-        assert option in line
+    assert "kl.estimator=k2" in line and "kl.estimator=k3" in line
     assert not (tmp_path / "cache").exists()
 
 
@@ -289,29 +289,21 @@ def test_gspo_experiment_pairs_the_sequence_ratio_with_its_aggregation(bad_cfg):
     check_config(cfg)
 
 
-@pytest.mark.parametrize(("arg", "setting"), [("seed=abc", "seed"), ("optimizer.lr=-1", "optimizer")])
-def test_cli_bad_type_or_value_is_one_error_line(tmp_path, arg, setting):
-    """`python src/train.py seed=abc` / `optimizer.lr=-1`: exit 2 and one `error:` line, no traceback."""
-    code, out = run_cli(tmp_path, arg)
+def test_cli_bad_type_is_one_error_line(tmp_path):
+    """`python src/train.py seed=abc`: exit 2 and one `error:` line, no traceback."""
+    code, out = run_cli(tmp_path, "seed=abc")
     assert code == 2, out
     line = error_line(out)
-    assert setting in line and arg.split("=")[1] in line
-    assert not (tmp_path / "cache").exists()
-
-
-def test_cli_bad_setting(tmp_path):
-    code, out = run_cli(tmp_path, "rl.samples_per_prompt=1")
-    assert code == 2, out
-    line = error_line(out)
-    assert "rl.samples_per_prompt" in line
+    assert "seed" in line and "abc" in line
     assert not (tmp_path / "cache").exists()
 
 
 def test_a_bad_setting_is_reported_before_lightning_and_transformers_load(tmp_path):
     """The settings are checked before the run's heavy libraries are imported: the error comes in about
-    3 s, not 11 (`-X importtime` lists every module the command imported)."""
+    4 s, not 11 (`-X importtime` lists every module the command imported)."""
     code, out = run_cli(tmp_path, "-X", "importtime", "rl.samples_per_prompt=1")
     assert code == 2 and "rl.samples_per_prompt" in error_line(out), out[-2000:]
+    assert not (tmp_path / "cache").exists()
     lines = [line for line in out.splitlines() if line.startswith("import time:")]
     imported = {line.rsplit("|", 1)[1].strip() for line in lines}
     assert "loorl.config" in imported  # (the listing is there)

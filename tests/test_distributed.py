@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fixtures import DIGIT_TOOLS, ON_CPU, child_env
+from fixtures import DIGIT_TOOLS, ON_CPU, assert_close_runs, child_env
 from loorl.config import check_config
 from loorl.errors import ConfigError
 from loorl.parallel.distributed import rank_block
@@ -192,22 +192,39 @@ def _cli(run_dir: Path, model_cache: Path, *overrides: str, devices: int = 2) ->
 
 
 @pytest.fixture(scope="module")
-def single_validation(tmp_path_factory, model_cache) -> float:
-    """The held-out greedy accuracy of the quick profile's model before training, in one process."""
+def single_validation(quick_config, tmp_path_factory) -> float:
+    """The held-out greedy accuracy of the quick profile's model before training, in one process (this
+    one: a process of its own would only add its start)."""
+    from loorl.cli.train import train
+
     run = tmp_path_factory.mktemp("single") / "run"
-    _cli(
-        run, model_cache, "rl.steps=1", "val_every=1", "checkpoint_every=0", "export_policy=false", devices=1
-    )
+    train(quick_config(*ON_CPU, "rl.steps=1", "val_every=1", "checkpoint_every=0", "export_policy=false",
+                       output_dir=run))  # fmt: skip
     return json.loads((run / "metrics.json").read_text())["history"]["val/accuracy"][0][1]
+
+
+@pytest.fixture(scope="module")
+def two_process_run(tmp_path_factory, model_cache):
+    """`two_process_run(strategy)`: the quick profile trained by the CLI in two processes (Lightning's own
+    launcher, the README's `trainer.devices=2`), once per strategy for the module's tests."""
+    runs = {}
+
+    def run(strategy: str) -> Path:
+        if strategy not in runs:
+            runs[strategy] = tmp_path_factory.mktemp(f"two_processes_{strategy}") / "run"
+            _cli(runs[strategy], model_cache, f"strategy={strategy}")
+        return runs[strategy]
+
+    return run
 
 
 # FSDP's CLI run is slow (40 s on a slow day); FSDP's two-process step stays in the default suite
 @pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
-def test_cli_two_processes_train_resume_and_export(tmp_path, model_cache, single_validation, strategy):
+def test_cli_two_processes_train_resume_and_export(tmp_path, model_cache, two_process_run, single_validation,
+                                                   strategy):  # fmt: skip
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    run = tmp_path / "run"
-    _cli(run, model_cache, f"strategy={strategy}")
+    run = two_process_run(strategy)
     metrics = json.loads((run / "metrics.json").read_text())
     assert metrics["summary"]["rl_steps"] == 4 and (run / "summary.md").exists()
     # validation is sharded (100 prompts per rank) and its accuracy reduced: the one-process figure
@@ -224,6 +241,35 @@ def test_cli_two_processes_train_resume_and_export(tmp_path, model_cache, single
     _cli(resumed, model_cache, f"strategy={strategy}", f"resume_from={last}", "rl.steps=6")
     summary = json.loads((resumed / "metrics.json").read_text())["summary"]
     assert summary["rl_steps"] == 6 and summary["optimizer_steps"] == 6  # 4 restored + 2 trained
+
+
+def _policy_difference(a: Path, b: Path) -> float:
+    """The largest difference between the two exported policies' tensors, relative to each tensor's
+    largest magnitude."""
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(a / "policy" / "model.safetensors"), load_file(b / "policy" / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    return max(float((wa[k] - wb[k]).abs().max() / wa[k].abs().max().clamp_min(1e-12)) for k in wa)
+
+
+# tests/test_multinode.py's launcher (two torchrun agents, each pinned to its half of the CPUs with its own
+# copy of the model cache), here beside the one-node run it is compared with
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
+def test_two_torchrun_nodes_train_as_one_node(strategy, tmp_path, model_cache, two_process_run):
+    """Two "nodes" of one process each train as one node of two processes does: the same metrics and
+    policy; one writer in the shared folder (one config, one log per rank)."""
+    from test_multinode import TwoNodes, node_caches
+
+    one = two_process_run(strategy)  # builds the quick model into the cache if needed
+    two = tmp_path / "two_nodes"
+    nodes = TwoNodes(tmp_path, [two, two], node_caches(tmp_path, model_cache), f"strategy={strategy}")
+    assert nodes.wait() == [0, 0], nodes.output(0)[-3000:] + nodes.output(1)[-3000:]
+    assert_close_runs(one, two, rtol=RTOL)
+    assert _policy_difference(one, two) <= RTOL
+    assert sorted(p.name for p in two.glob("*.log")) == ["train.log", "train_rank1.log"]
+    assert (two / ".hydra").is_dir() and not list(two.glob(".hydra_*"))
+    assert "intra-op threads: " in nodes.output(0) + nodes.output(1)
 
 
 @pytest.mark.slow

@@ -6,20 +6,16 @@ scripts/research/kl_gradient_table.py, which prints the same comparison as a tab
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-from pathlib import Path
 
 import pytest
 import torch
 
+from fixtures import load_script
 from loorl.algo.kl import KL_ESTIMATORS, KL_ESTIMATORS_BY_PLACEMENT, check_kl_placement, kl_per_token
 from loorl.errors import ConfigError
 
-_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "research" / "kl_gradient_table.py"
-_spec = importlib.util.spec_from_file_location("kl_gradient_table", _SCRIPT)
-table = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(table)
+table = load_script("research/kl_gradient_table.py")
 
 ACCEPTED = {("k1", True), ("k2", False), ("k3", False)}
 REJECTED = {(e, r) for e in ("k1", "k2", "k3") for r in (True, False)} - ACCEPTED

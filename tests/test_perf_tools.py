@@ -3,7 +3,6 @@ allocator setting, and the benchmark's measurement helpers (scripts/bench/bench_
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,18 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from fixtures import child_env
+from fixtures import child_env, load_script
 from loorl.util.profiling import PhaseClock
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "bench" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # a dataclass in the script looks its module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_script(f"bench/{name}.py")
 
 
 def test_phase_clock_sums_each_phase_and_resets():

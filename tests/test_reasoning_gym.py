@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fixtures import child_env
+from fixtures import child_env, load_script
 from loorl.errors import ConfigError
 
 rg = pytest.importorskip("reasoning_gym")
@@ -243,15 +243,10 @@ def test_the_answers_table_counts_each_answer_given_and_the_best_constant(tmp_pa
     what showed letter_counting's, gcd's and count_bits' gains to be one answer given to every problem
     (docs/how-to/reasoning-gym.md)."""
     import csv
-    import importlib.util
-    from pathlib import Path
 
     from omegaconf import OmegaConf
 
-    script = Path(__file__).resolve().parents[1] / "scripts" / "research" / "reasoning_gym_table.py"
-    spec = importlib.util.spec_from_file_location("reasoning_gym_table", script)
-    table = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(table)
+    table = load_script("research/reasoning_gym_table.py")
     cfg = {"_target_": "loorl.tasks.reasoning_gym.ReasoningGymTask", "datasets": {"chain_sum": {"level": 0}},
            "eval_size": 4, "system_prompt": None, "shots": 0, "chat_template": False}  # fmt: skip
     OmegaConf.save({"task": cfg}, tmp_path / "config.yaml")

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
+from fixtures import load_script
 from loorl.config import ConfigError
 from loorl.research import study as study_module
 from loorl.research.stats import holm, paired_difference
@@ -185,19 +186,25 @@ def test_the_real_study_differs_only_where_it_says(which_estimator):
 
 def test_run_i_of_every_setting_draws_the_same_prompts_in_the_same_order(which_estimator):
     """Paired seeds, from the prompts themselves: each setting's task built from its own resolved config
-    draws, for a seed, the same prompts at every step; another seed draws others."""
+    draws, for a seed, the same prompts at every step; another seed draws others. A task's prompts for
+    (step, B, seed) are a function of its config, so the settings whose resolved `task` and B are the same
+    share one built task (the estimators part's eight settings are one)."""
     from hydra.utils import instantiate
+    from omegaconf import OmegaConf
 
     from loorl.config import compose_config
 
     study, _ = which_estimator
     part = next(p for p in study.parts if p.name == "estimators")
-    streams = {}
+    tasks, streams = {}, {}
     for setting in part.settings:
         for seed in (0, 1):
             cfg = compose_config(*setting.overrides, f"seed={seed}", "output_dir=/tmp/unused")
-            task = instantiate(cfg.task)
             b = cfg.rl.prompts_per_step
+            key = (OmegaConf.to_yaml(cfg.task, resolve=True), b)
+            if key not in tasks:
+                tasks[key] = instantiate(cfg.task)
+            task = tasks[key]
             streams[setting.label, seed] = [
                 [(p.text, p.answer) for p in task.prompts_for_step(step, b, seed=seed)] for step in range(3)
             ]
@@ -400,7 +407,7 @@ def test_the_probe_part_probes_the_policy_before_rl_and_at_each_checkpoint(quick
     assert "n/a" not in rloo.split("|")[-3]  # the estimators part's AUC beside it
 
 
-def test_a_rerun_runs_only_what_is_missing(quick_study):
+def test_a_rerun_runs_only_what_is_missing(quick_study, capsys):
     out, command, _ = quick_study
     lost = next(  # one of the fixture's own runs (the slow probe test adds rl.steps=2 runs beside them)
         p
@@ -411,26 +418,25 @@ def test_a_rerun_runs_only_what_is_missing(quick_study):
     stopped = json.loads(lost.read_text())
     stopped["summary"]["rl_steps"] = 0  # as a run stopped before its one step writes it
     lost.write_text(json.dumps(stopped))
-    again = subprocess.run(
-        command + ["--only", "estimators"], capture_output=True, text=True, timeout=600, cwd=ROOT
-    )
-    assert again.returncode == 0 and "[estimators] 3 runs finished before, 1 to run" in again.stdout
+    study = load_script("research/study.py")  # its main here (its runs are processes of their own)
+    assert study.main([*command[2:], "--only", "estimators"]) == 0
+    assert "[estimators] 3 runs finished before, 1 to run" in capsys.readouterr().out
     assert json.loads(lost.read_text())["summary"]["rl_steps"] == 1
 
 
-def test_the_plan_prints_the_differences_and_bad_arguments_are_one_line():
+def test_the_plan_prints_the_differences_and_bad_arguments_are_one_line(capsys):
     done = subprocess.run(STUDY + ["quick", "--plan"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0 and "grpo: estimator.name: rloo -> grpo" in done.stdout
+    study = load_script("research/study.py")  # the other cases through its main, in this process
     # an override right after --only's parts (the docs' `--only smollm2 model=qwen7b`) is an override
-    done = subprocess.run(STUDY + ["quick", "--only", "estimators", "rl.steps=1", "--plan"],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
-    assert (
-        done.returncode == 0 and "[estimators] 2 settings" in done.stdout and "[variance]" not in done.stdout
-    )
-    bad = subprocess.run(STUDY + ["quick", "--plan", "--nope"], capture_output=True, text=True, cwd=ROOT)
-    assert bad.returncode == 2 and "unknown argument --nope" in bad.stderr
-    bad = subprocess.run(STUDY + ["quick", "--plan", "--only", "x"], capture_output=True, text=True, cwd=ROOT)
-    assert bad.returncode == 2 and "error: --only x: no such part of quick" in bad.stdout
+    assert study.main(["quick", "--only", "estimators", "rl.steps=1", "--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "[estimators] 2 settings" in out and "[variance]" not in out
+    with pytest.raises(SystemExit) as exit_:
+        study.main(["quick", "--plan", "--nope"])
+    assert exit_.value.code == 2 and "unknown argument --nope" in capsys.readouterr().err
+    assert study.main(["quick", "--plan", "--only", "x"]) == 2
+    assert "error: --only x: no such part of quick" in capsys.readouterr().out
 
 
 # ---- the statistics the runs log for the study ------------------------------------------------------------
