@@ -48,7 +48,7 @@ def run_cli(fn, cfg, *, check=None):
     first product (`loorl.util.onednn`); a bad setting prints one `error:` line and exits 2 (no
     traceback). `check`: the command's own checks, `check(cfg) -> settings`, run first and handed to
     `fn(cfg, settings)`, so that a bad setting is reported before `fn`'s libraries load (train's
-    settings check takes about 3 s; Lightning and transformers another 7)."""
+    settings check takes about 4 s; Lightning and transformers another 7)."""
     import os
 
     from loorl.errors import ConfigError, ServersLost

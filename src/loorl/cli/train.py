@@ -1,7 +1,7 @@
 """`train(cfg) -> metrics`: the whole run, separate from the `@hydra.main` wrapper so tests call it.
 
 The settings are checked first (`check_config`), before the run's heavy libraries load: a bad setting
-is one `error:` line about 3 s after the command, not 11. The run itself is `loorl.cli.train_job`."""
+is one `error:` line about 4 s after the command, not 11. The run itself is `loorl.cli.train_job`."""
 
 from __future__ import annotations
 
