@@ -243,30 +243,20 @@ def test_cli_two_processes_train_resume_and_export(tmp_path, model_cache, two_pr
     assert summary["rl_steps"] == 6 and summary["optimizer_steps"] == 6  # 4 restored + 2 trained
 
 
-def _policy_difference(a: Path, b: Path) -> float:
-    """The largest difference between the two exported policies' tensors, relative to each tensor's
-    largest magnitude."""
-    from safetensors.torch import load_file
-
-    wa, wb = load_file(a / "policy" / "model.safetensors"), load_file(b / "policy" / "model.safetensors")
-    assert wa.keys() == wb.keys()
-    return max(float((wa[k] - wb[k]).abs().max() / wa[k].abs().max().clamp_min(1e-12)) for k in wa)
-
-
 # tests/test_multinode.py's launcher (two torchrun agents, each pinned to its half of the CPUs with its own
 # copy of the model cache), here beside the one-node run it is compared with
 @pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
 def test_two_torchrun_nodes_train_as_one_node(strategy, tmp_path, model_cache, two_process_run):
     """Two "nodes" of one process each train as one node of two processes does: the same metrics and
     policy; one writer in the shared folder (one config, one log per rank)."""
-    from test_multinode import TwoNodes, node_caches
+    from test_multinode import TwoNodes, node_caches, policy_difference
 
     one = two_process_run(strategy)  # builds the quick model into the cache if needed
     two = tmp_path / "two_nodes"
     nodes = TwoNodes(tmp_path, [two, two], node_caches(tmp_path, model_cache), f"strategy={strategy}")
     assert nodes.wait() == [0, 0], nodes.output(0)[-3000:] + nodes.output(1)[-3000:]
     assert_close_runs(one, two, rtol=RTOL)
-    assert _policy_difference(one, two) <= RTOL
+    assert policy_difference(one, two) <= RTOL
     assert sorted(p.name for p in two.glob("*.log")) == ["train.log", "train_rank1.log"]
     assert (two / ".hydra").is_dir() and not list(two.glob(".hydra_*"))
     assert "intra-op threads: " in nodes.output(0) + nodes.output(1)

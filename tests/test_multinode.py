@@ -114,6 +114,16 @@ class TwoNodes:
                 agent.kill()
 
 
+def policy_difference(a: Path, b: Path) -> float:
+    """The largest difference between the two exported policies' tensors, relative to each tensor's
+    largest magnitude."""
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(a / "policy" / "model.safetensors"), load_file(b / "policy" / "model.safetensors")
+    assert wa.keys() == wb.keys()
+    return max(float((wa[k] - wb[k]).abs().max() / wa[k].abs().max().clamp_min(1e-12)) for k in wa)
+
+
 def node_caches(tmp: Path, model_cache: Path) -> list[Path]:
     """A copy of the session's model cache per node: each "node" has its own disk."""
     caches = [tmp / f"cache{n}" for n in (0, 1)]
