@@ -70,6 +70,15 @@ def load_script(relative: str):
     return sys.modules[name]
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a server or a rendezvous a test starts)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """The environment of a child Python that runs this checkout's code (installed or not): the
     source first on PYTHONPATH, whatever PYTHONPATH held kept behind it (a GPU node installs the

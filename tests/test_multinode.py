@@ -17,7 +17,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fixtures import ON_CPU, assert_run_outputs, assert_same_run, child_env
+from fixtures import ON_CPU, assert_run_outputs, assert_same_run, child_env, free_port
 from loorl.training.checkpoints import complete_checkpoints, read_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,12 +42,6 @@ def _env(**extra: str) -> dict:
     ):  # each process decides its own threads
         env.pop(key, None)
     return env
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cpu_halves() -> list[list[int]]:

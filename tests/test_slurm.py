@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures import ON_CPU, assert_run_outputs, assert_same_run
+from fixtures import ON_CPU, assert_run_outputs, assert_same_run, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -134,7 +134,7 @@ def test_the_servers_batch_script_trains_with_a_vllm_server_beside_it(slurm_env,
     the trainer share the node, the trainer waits for the server and trains one step behind it."""
     pytest.importorskip("vllm")
     run, log = tmp_path / "run", tmp_path / "job.out"
-    env = dict(slurm_env, LOORL_RUN_DIR=str(run), LOORL_SERVER_PORT=str(_free_port()))
+    env = dict(slurm_env, LOORL_RUN_DIR=str(run), LOORL_SERVER_PORT=str(free_port()))
     overrides = ["debug=quick", "trainer.accelerator=cpu", "rollout.max_staleness=1"]
     cmd = ["sbatch", "--parsable", f"--output={log}", "--wait", str(SERVERS_BATCH), *overrides]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
@@ -149,11 +149,3 @@ def test_the_servers_batch_script_trains_with_a_vllm_server_beside_it(slurm_env,
     lags = json.loads((run / "metrics.json").read_text())["history"]["rollout/policy_lag"]
     assert [v for _, v in lags] == [0.0, 1.0, 1.0, 1.0]
     assert list(run.glob("server-*.log")), sorted(p.name for p in run.iterdir())
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -21,6 +21,7 @@ from fixtures import (
     DIGIT_TOOLS,
     assert_same_run,
     follows_one_optimizer_step,
+    free_port,
     history,
     policy_and_rollouts,
     start_and_signal,
@@ -36,12 +37,6 @@ pytest.importorskip("vllm")
 pytestmark = pytest.mark.vllm
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def lag_history(run: Path) -> list[float]:
