@@ -8,16 +8,35 @@ import pytest
 import torch
 
 from loorl.algo import estimators
-from loorl.algo.estimators import compute_advantages
+from loorl.algo.estimators import AdvantageInput, compute_advantages
 from loorl.algo.masked import masked_mean, masked_std
 
 NAN = float("nan")
-ALL = ["dr_grpo", "grpo", "reinforce", "reinforce_pp", "reinforce_pp_baseline", "rloo"]
+ALL = [
+    "dr_grpo",
+    "gpg",
+    "grpo",
+    "grpo_passk",
+    "opo",
+    "reinforce",
+    "reinforce_pp",
+    "reinforce_pp_baseline",
+    "rloo",
+]
 SEED = torch.tensor([[10.0, 5.0, 8.0, 2.0]])  # [1, 4]
 
 
+def lengths_like(rewards: torch.Tensor) -> torch.Tensor:
+    """Completion lengths [B, K] for OPO's weights: 1..7 tokens, fixed by the rewards' shape."""
+    return (torch.arange(rewards.numel()).view(rewards.shape) * 3) % 7 + 1
+
+
+def with_lengths(rewards: torch.Tensor) -> AdvantageInput:
+    return AdvantageInput(rewards, lengths=lengths_like(rewards))
+
+
 def adv(name, rows, **kw):
-    return compute_advantages(name, torch.tensor(rows, dtype=torch.float32), **kw)
+    return compute_advantages(name, with_lengths(torch.tensor(rows, dtype=torch.float32)), **kw)
 
 
 # ---- hand-computed values ----------------------------------------------------------------------
@@ -84,6 +103,37 @@ def test_nan_cases_by_hand():
     torch.testing.assert_close(adv("reinforce", row), torch.tensor([[1.0, 0.0, 0.0, 1.0]]))
 
 
+def test_opo_gpg_and_passk_by_hand():
+    # OPO: lengths [1, 3, 2, 6] weight SEED [10, 5, 8, 2]: baseline (10 + 15 + 16 + 12) / 12 = 53/12
+    a = compute_advantages("opo", AdvantageInput(SEED, lengths=torch.tensor([[1, 3, 2, 6]])))
+    torch.testing.assert_close(a, SEED - 53 / 12)
+    # equal lengths: the plain group mean, Dr. GRPO's advantage
+    a = compute_advantages("opo", AdvantageInput(SEED, lengths=torch.full((1, 4), 5)))
+    torch.testing.assert_close(a, compute_advantages("dr_grpo", SEED))
+    # an unscorable sample's length does not weigh: [1, NaN, 0, 1] with lengths [2, 9, 1, 1]: 3/4
+    a = compute_advantages(
+        "opo", AdvantageInput(torch.tensor([[1.0, NAN, 0.0, 1.0]]), lengths=torch.tensor([[2, 9, 1, 1]]))
+    )
+    torch.testing.assert_close(a, torch.tensor([[0.25, 0.0, -0.75, 0.25]]))
+    with pytest.raises(ValueError, match="lengths"):
+        compute_advantages("opo", SEED)
+    # GPG: rows [1, 0, 0, 0] and [0, 0, 0, 0]: 8 scorable samples, 1 non-zero, alpha 8; group means 1/4, 0
+    a = adv("gpg", [[1, 0, 0, 0], [0, 0, 0, 0]])
+    torch.testing.assert_close(a, torch.tensor([[6.0, -2.0, -2.0, -2.0], [0.0, 0.0, 0.0, 0.0]]))
+    # an unscorable sample counts in neither: 3 scorable, 2 non-zero, alpha 3/2, mean 2/3
+    torch.testing.assert_close(
+        adv("gpg", [[1, NAN, 0, 1]]), 1.5 * torch.tensor([[1 / 3, 0.0, -2 / 3, 1 / 3]])
+    )
+    # pass@k: best 10, second 8, std 3.5 (test_grpo_seed_example): (10 - 8) / 3.5 on the best only
+    a = compute_advantages("grpo_passk", SEED, eps=0.0)
+    torch.testing.assert_close(a, torch.tensor([[2 / 3.5, 0.0, 0.0, 0.0]]))
+    # a tie at the top gives 0; an unscorable sample never ranks (NaN is not the best)
+    assert (adv("grpo_passk", [[1, 1, 0, 0]]) == 0).all()
+    torch.testing.assert_close(
+        adv("grpo_passk", [[NAN, 1, 0, 0]], eps=0.0), torch.tensor([[0.0, 1 / math.sqrt(1 / 3), 0.0, 0.0]])
+    )
+
+
 @pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("whiten", [False, True])
 def test_unscorable_groups_get_zeros(name, whiten):
@@ -109,7 +159,7 @@ def test_all_nan_batch_and_inf_rewards(name):
 def test_output_dtype_shape_and_input_untouched(name):
     r = torch.tensor([[1.0, NAN, 3.0]], dtype=torch.float64)  # [1, 3]
     before = r.clone()
-    a = compute_advantages(name, r)
+    a = compute_advantages(name, with_lengths(r))
     assert a.dtype == torch.float32 and a.shape == r.shape
     torch.testing.assert_close(r, before, equal_nan=True)
 
@@ -166,12 +216,17 @@ def _whiten(values, eps):
 
 def reference(name, rewards, *, whiten, eps):
     """Plain-loop advantages; None marks an unscorable sample until the end (then 0)."""
-    rows = rewards.tolist()
+    rows, lengths = rewards.tolist(), lengths_like(rewards).tolist()
     out = [[None] * len(row) for row in rows]
     too_small = [[False] * len(row) for row in rows]
+    scorable_all = [v for row in rows for v in row if not math.isnan(v)]
+    alpha = len(scorable_all) / max(sum(v != 0 for v in scorable_all), 1)  # GPG's
     for b, row in enumerate(rows):
         scorable = [k for k, v in enumerate(row) if not math.isnan(v)]
         vals = [row[k] for k in scorable]
+        if len(vals) >= 2:
+            top = sorted(vals, reverse=True)
+            best = max(scorable, key=lambda k: row[k])  # pass@k credits the best sample only
         for k in scorable:
             if name in ("reinforce", "reinforce_pp"):
                 out[b][k] = row[k]
@@ -185,6 +240,18 @@ def reference(name, rewards, *, whiten, eps):
             elif name in ("dr_grpo", "reinforce_pp_baseline"):
                 out[b][k] = row[k] - _mean(vals)
                 too_small[b][k] = len(vals) < 2
+            elif name == "gpg":
+                out[b][k] = alpha * (row[k] - _mean(vals))
+                too_small[b][k] = len(vals) < 2
+            elif name == "opo":
+                weight = sum(lengths[b][j] for j in scorable)
+                out[b][k] = row[k] - sum(lengths[b][j] * row[j] for j in scorable) / weight
+                too_small[b][k] = len(vals) < 2
+            elif name == "grpo_passk":
+                too_small[b][k] = len(vals) < 2
+                out[b][k] = (
+                    (top[0] - top[1]) / (_std(vals) + eps) if not too_small[b][k] and k == best else 0.0
+                )
     # samples without a group baseline (a lone scorable sample) stay out of every whitening
     out = [[None if small else v for v, small in zip(row, smalls)] for row, smalls in zip(out, too_small)]
     if name in ("reinforce_pp", "reinforce_pp_baseline"):
@@ -212,7 +279,7 @@ def test_matches_loop_reference(name, whiten, seed):
     else:
         r = torch.randn(B, K, generator=g) * 3 + 1  # [B, K]
     r[torch.rand(B, K, generator=g) < 0.2] = NAN
-    a = compute_advantages(name, r, whiten=whiten)  # [B, K]
+    a = compute_advantages(name, with_lengths(r), whiten=whiten)  # [B, K]
     assert not a.isnan().any() and torch.isfinite(a).all()
     assert (a[r.isnan()] == 0).all()
     torch.testing.assert_close(a.double(), reference(name, r, whiten=whiten, eps=1e-6), rtol=1e-4, atol=1e-5)
@@ -234,7 +301,8 @@ def test_masked_mean_and_std_match_torch_on_the_kept_entries():
 # ---- registry ----------------------------------------------------------------------------------
 def test_registry_names_and_sizes():
     assert estimators.names() == ALL
-    baselines = ("rloo", "grpo", "dr_grpo", "reinforce_pp_baseline")  # K=1 would give all-zero advantages
+    # K=1 would give all-zero advantages
+    baselines = ("rloo", "grpo", "dr_grpo", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk")
     assert all(estimators.min_group_size(n) == 2 for n in baselines)
     assert all(estimators.min_group_size(n) == 1 for n in ALL if n not in baselines)
     assert estimators.get("rloo") is estimators.rloo
@@ -245,7 +313,7 @@ def test_unknown_estimator_message():
         estimators.get("x")
     assert err.value.args[0] == (
         "unknown estimator 'x'; choose one of: "
-        "dr_grpo, grpo, reinforce, reinforce_pp, reinforce_pp_baseline, rloo"
+        "dr_grpo, gpg, grpo, grpo_passk, opo, reinforce, reinforce_pp, reinforce_pp_baseline, rloo"
     )
     with pytest.raises(KeyError, match="unknown estimator 'y'"):
         compute_advantages("y", SEED)

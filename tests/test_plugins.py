@@ -100,9 +100,11 @@ def test_a_missing_sample_counts_as_an_unscorable_one(name):
     mask = torch.ones(5, 4, dtype=torch.bool)
     mask[0, 3] = mask[2, 1] = mask[2, 2] = False  # groups of 3, 2 and 4 samples
     with_nan = torch.where(mask, rewards, torch.nan)
+    lengths = torch.arange(20).view(5, 4) % 3 + 1  # [B, K] OPO weighs its baseline by length
     for whiten in (False, True):
-        masked = estimators.get(name)(AdvantageInput(rewards, mask=mask), whiten=whiten)
-        torch.testing.assert_close(masked, estimators.get(name)(with_nan, whiten=whiten))
+        masked = estimators.get(name)(AdvantageInput(rewards, lengths=lengths, mask=mask), whiten=whiten)
+        nan = estimators.get(name)(AdvantageInput(with_nan, lengths=lengths), whiten=whiten)
+        torch.testing.assert_close(masked, nan)
         assert (masked[~mask] == 0).all()
 
 

@@ -204,3 +204,62 @@ def reinforce_pp_baseline(
     centred = r - masked_mean(r, valid, -1, keepdim=True)  # [B, K]
     adv = masked_whiten(centred, keep, eps=eps)  # [B, K]
     return _finish(adv, valid, whiten=whiten, eps=eps, keep=keep)
+
+
+# ---- the field's newer estimators (verl 0.9.1's core_algos registers each; tests/test_peer_oracles.py) --
+@register("opo", min_group_size=2)
+def opo(inp: AdvantageInput | torch.Tensor, *, whiten: bool = False, eps: float = 1e-6) -> torch.Tensor:
+    """OPO (Hao et al. 2025): A_i = r_i - sum_j l_j r_j / sum_j l_j over the group's scorable samples.
+
+    The length-weighted mean is the baseline of least variance for a sequence-level loss summed over
+    tokens (the gradient's variance grows with a sample's length). Needs the samples' lengths.
+    """
+    inp = AdvantageInput.of(inp)
+    if inp.lengths is None:
+        raise ValueError(
+            "estimator=opo weights the baseline by completion length: pass AdvantageInput.lengths"
+        )
+    r, valid = _prepare(inp)  # [B, K], [B, K]
+    length = torch.where(valid, inp.lengths.to(device=r.device, dtype=r.dtype), 0.0)  # [B, K]
+    baseline = (length * r).sum(-1, keepdim=True) / length.sum(-1, keepdim=True).clamp(min=1)  # [B, 1]
+    keep = _with_siblings(valid)  # [B, K]
+    return _finish(torch.where(keep, r - baseline, 0.0), valid, whiten=whiten, eps=eps, keep=keep)
+
+
+@register("gpg", min_group_size=2)
+def gpg(inp: AdvantageInput | torch.Tensor, *, whiten: bool = False, eps: float = 1e-6) -> torch.Tensor:
+    """GPG (Chu et al. 2025): A_i = alpha * (r_i - group mean), alpha = scorable samples / those with a
+    non-zero reward, over the whole batch.
+
+    Dr. GRPO's advantage scaled up by how sparse the batch's rewards are: with 0/1 rewards alpha is
+    1 / (the share of correct samples), which undoes the dilution of the gradient by groups whose
+    every sample failed (verl's `compute_gpg_outcome_advantage`, with its f_norm = 1).
+    """
+    r, valid = _prepare(inp)  # [B, K], [B, K]
+    nonzero = (valid & (r != 0)).sum().clamp(min=1)  # []
+    alpha = valid.sum() / nonzero  # []
+    mean = masked_mean(r, valid, -1, keepdim=True)  # [B, 1]
+    return _finish(alpha * (r - mean), valid, whiten=whiten, eps=eps, keep=_with_siblings(valid))
+
+
+@register("grpo_passk", min_group_size=2)
+def grpo_passk(
+    inp: AdvantageInput | torch.Tensor, *, whiten: bool = False, eps: float = 1e-6
+) -> torch.Tensor:
+    """Pass@k training (Chen et al. 2025): only the group's best sample is credited, with
+    (r_max - r_second) / (group std + eps); every other sample gets 0.
+
+    It optimises the group's best answer, not its mean: no sample is pushed down, which keeps the
+    policy exploring. Ties at the top give 0 (no sample is better than its best sibling).
+    """
+    r, valid = _prepare(inp)  # [B, K], [B, K]
+    if r.shape[-1] < 2:  # no group has a second sample to be better than
+        return torch.zeros_like(r)  # [B, K]
+    ranked = torch.where(valid, r, -torch.inf)  # [B, K] missing and unscorable samples rank last
+    top2, best = ranked.topk(2, dim=-1)  # [B, 2], [B, 2]
+    gap = (top2[:, 0] - top2[:, 1]).unsqueeze(-1)  # [B, 1] (inf or NaN without 2 scorable samples)
+    std = masked_std(r, valid, -1, keepdim=True)  # [B, 1]
+    is_best = torch.zeros_like(valid).scatter(-1, best[:, :1], True)  # [B, K]
+    keep = _with_siblings(valid)  # [B, K]
+    adv = torch.where(is_best & keep, gap / (std + eps), 0.0)  # [B, K]
+    return _finish(adv, valid, whiten=whiten, eps=eps, keep=keep)
