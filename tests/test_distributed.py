@@ -19,7 +19,7 @@ from loorl.config import check_config
 from loorl.errors import ConfigError
 from loorl.parallel.distributed import rank_block
 from loorl.settings import RLSettings
-from loorl.training.module import minibatch_prompts
+from loorl.training.batches import minibatch_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 ONE_STEP = ROOT / "tests" / "dist_one_step.py"

@@ -90,6 +90,58 @@ def test_float64_gradcheck():
     assert torch.autograd.gradcheck(fn, (hidden, weight, bias))
 
 
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("chunk_tokens", [1, 4, 1000])
+def test_the_entropy_gradient_equals_the_plain_path_in_float64(case, chunk_tokens):
+    """`entropy_grad=True` (an entropy term in the loss): the entropy's value and its gradient, alone
+    and mixed with the log-probs' (as a loss `-A log p - c H` has them), equal the plain path's over
+    the whole [n, t, V] logits to 1e-10, with no [n, t, V] tensor kept."""
+    sampling = CASES[case]
+    hidden, weight, bias, tokens = _inputs(dtype=torch.float64, seed=2)
+    params = [hidden, weight, bias]
+    gen = torch.Generator().manual_seed(3)
+    up_logp, up_h = (
+        torch.randn(tokens.shape, generator=gen, dtype=torch.float64),
+        torch.randn(tokens.shape, generator=gen, dtype=torch.float64),
+    )  # [n, t] each
+
+    def plain(mix):
+        logits = hidden @ weight.T + bias  # [n, t, V]
+        logp = token_logprobs(logits, tokens, **sampling)
+        return logp * up_logp * mix + token_entropy(logits, tokens=tokens, **sampling) * up_h
+
+    def chunked(mix):
+        logp, h = head_logprobs(
+            hidden, weight, tokens, bias=bias, chunk_tokens=chunk_tokens, entropy_grad=True, **sampling
+        )
+        return logp * up_logp * mix + h * up_h
+
+    for mix in (0.0, 1.0):  # the entropy's gradient alone, then with the log-probs'
+        want = _grads(lambda mix=mix: plain(mix), params, torch.ones_like(up_h))
+        got = _grads(lambda mix=mix: chunked(mix), params, torch.ones_like(up_h))
+        for name, g, w in zip(("hidden", "weight", "bias"), got, want):
+            torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10, msg=f"d/d{name} (mix {mix})")
+    _, h = head_logprobs(
+        hidden, weight, tokens, bias=bias, chunk_tokens=chunk_tokens, entropy_grad=True, **sampling
+    )
+    torch.testing.assert_close(
+        h, token_entropy(hidden @ weight.T + bias, tokens=tokens, **sampling), rtol=1e-12, atol=1e-12
+    )
+    assert h.requires_grad
+
+
+def test_the_entropy_float64_gradcheck():
+    hidden, weight, bias, tokens = _inputs(n=2, t=3, h=4, v=9, dtype=torch.float64, seed=4)
+
+    def fn(h, w, b):
+        logp, entropy = head_logprobs(
+            h, w, tokens, bias=b, temperature=0.9, top_k=6, chunk_tokens=4, entropy_grad=True
+        )
+        return logp + 0.5 * entropy
+
+    assert torch.autograd.gradcheck(fn, (hidden, weight, bias))
+
+
 def test_bf16_autocast_matches_the_plain_path_under_autocast():
     """Under bf16 autocast the output layer's matmul runs in bf16 (as `nn.Linear` would) and the
     log-probs in float32: the values and gradients agree with the plain path run the same way to

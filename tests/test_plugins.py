@@ -52,14 +52,14 @@ def train_here(tmp_path: Path, quick_config, *overrides: str) -> dict[str, float
 
 def test_estimator_and_loss_from_outside_src_train_two_steps(tmp_path, quick_config, monkeypatch):
     """`python src/train.py estimator._target_=plugins.research.length_normalised_rloo
-    loss._target_=plugins.research.cispo_token_loss`: both run at every step, and the run finishes.
-    Two optimizer steps per rollout, so CISPO's ratio is a real one (old log-probs recomputed)."""
+    loss._target_=plugins.research.dual_clip_token_loss`: both run at every step, and the run finishes.
+    Two optimizer steps per rollout, so the loss's ratio is a real one (old log-probs recomputed)."""
     calls = tmp_path / "calls.txt"
     monkeypatch.setenv("LOORL_PLUGIN_CALLS", str(calls))
     train_here(
         tmp_path, quick_config,
         "estimator._target_=plugins.research.length_normalised_rloo",
-        "loss._target_=plugins.research.cispo_token_loss",
+        "loss._target_=plugins.research.dual_clip_token_loss",
         "rl.epochs_per_rollout=2",
     )  # fmt: skip
     seen = calls.read_text().split()
@@ -80,7 +80,8 @@ def test_a_bad_target_is_one_line_before_any_model_loads(quick_cfg):
 
 def test_unknown_loss_name_lists_the_registered_ones(quick_cfg):
     with pytest.raises(
-        ConfigError, match=r"unknown policy loss 'ppo' \(loss.name\); choose one of: auto, clipped"
+        ConfigError,
+        match=r"unknown policy loss 'ppo' \(loss.name\); choose one of: auto, cispo, clip_cov, clipped,",
     ):
         check_config(quick_cfg("loss.name=ppo"))
 
@@ -178,7 +179,7 @@ def test_an_engine_checks_its_own_options_before_any_model_loads(quick_cfg):
 
 def test_a_target_that_is_not_an_engine_is_refused(quick_cfg):
     with pytest.raises(ConfigError, match="is not a RolloutEngine subclass"):
-        check_config(quick_cfg("rollout._target_=plugins.research.cispo_token_loss"))
+        check_config(quick_cfg("rollout._target_=plugins.research.dual_clip_token_loss"))
 
 
 @pytest.mark.parametrize("engine", ["hf", "vllm"])

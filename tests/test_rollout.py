@@ -14,7 +14,7 @@ from loorl.build import build_datamodule, build_module
 from loorl.rollout.batch import assemble
 from loorl.rollout.engines.hf_engine import HFEngine
 from loorl.rollout.sampling import sampler_seed
-from loorl.training.module import minibatch_prompts
+from loorl.training.batches import minibatch_prompts
 from loorl.types import Completion, Prompt, SamplingConfig
 
 

@@ -1,7 +1,7 @@
 """A new advantage estimator and a new policy loss, written as a researcher would, outside loorl.
 
 `python src/train.py estimator._target_=plugins.research.length_normalised_rloo
-loss._target_=plugins.research.cispo_token_loss` trains with them (tests/test_plugins.py). Each call
+loss._target_=plugins.research.dual_clip_token_loss` trains with them (tests/test_plugins.py). Each call
 is appended to the file named by LOORL_PLUGIN_CALLS, when set, so a test can see that they ran.
 """
 
@@ -45,19 +45,25 @@ def length_normalised_rloo(inp: AdvantageInput, *, whiten: bool = False, eps: fl
 length_normalised_rloo.min_group_size = 2
 
 
-def cispo_token_loss(
+DUAL_CLIP = 3.0  # verl's default `clip_ratio_c`: the bound on a negative advantage's loss, in units of -A
+
+
+def dual_clip_token_loss(
     logprobs: torch.Tensor, batch: RolloutBatch, settings: LossParams
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """CISPO (MiniMax-M1): -sg(clip(ratio, 1 - clip_low, 1 + clip_high)) * A * log pi per token.
-
-    The clipped importance weight carries no gradient, so no token's gradient is ever dropped (PPO's
-    clip zeroes it). On-policy the ratio is 1 and this is REINFORCE. Returns [n, C] and the tokens
-    whose weight was clipped. `settings` is the algorithm layer's `LossParams` (the run passes its
-    `loss` section); this reads `clip_low` and `clip_high`."""
+    """Dual-clip PPO (Ye et al. 2019, verl's default `vanilla` loss): PPO's clipped surrogate, and where
+    A < 0 the loss is also capped at -A * DUAL_CLIP, so a token whose ratio has exploded cannot push
+    with an unbounded weight. Returns [n, C] and the tokens where either clip was active. `settings` is
+    the algorithm layer's `LossParams` (the run passes its `loss` section); this reads `clip_low` and
+    `clip_high`."""
     _record("loss")
     old = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs  # [n, C]
-    ratio = (logprobs.detach() - old).clamp(-20, 20).exp()  # [n, C]
-    weight = ratio.clamp(1 - settings.clip_low, 1 + settings.clip_high)  # [n, C]
+    valid = batch.completion_mask.bool()  # [n, C]
+    ratio = torch.where(valid, logprobs - old, 0.0).clamp(-20, 20).exp()  # [n, C]
     adv = batch.advantages.to(logprobs.dtype).unsqueeze(-1)  # [n, 1]
-    clipped = (weight != ratio) & batch.completion_mask.bool()  # [n, C]
-    return -weight * adv * logprobs, clipped
+    unclipped = -adv * ratio  # [n, C]
+    ppo = torch.maximum(
+        unclipped, -adv * ratio.clamp(1 - settings.clip_low, 1 + settings.clip_high)
+    )  # [n, C]
+    loss = torch.where(adv < 0, torch.minimum(ppo, -adv * DUAL_CLIP), ppo)  # [n, C]
+    return loss, valid & (loss != unclipped)

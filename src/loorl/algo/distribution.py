@@ -106,10 +106,12 @@ def token_entropy(
     tokens: torch.Tensor | None = None,
     chunk_size: int = 8,
 ) -> torch.Tensor:
-    """Entropy [N, T] of the sampler's distribution (as in `token_logprobs`), for monitoring.
+    """Entropy [N, T] of the sampler's distribution (as in `token_logprobs`), with its gradient.
 
-    Call it under no_grad. `tokens` [N, T], the sampled tokens, stay in the truncated set as they
-    do for the log-probs. Masked-out vocabulary entries (-inf logits) contribute 0, not NaN.
+    `tokens` [N, T], the sampled tokens, stay in the truncated set as they do for the log-probs.
+    Masked-out vocabulary entries (-inf logits) contribute 0, not NaN, to the value and the gradient.
+    Keeps [n, T, V] temporaries of `chunk_size` rows for the backward: for monitoring call it under
+    no_grad; the chunked head (`loorl.algo.head_logprobs`) trains on it without them.
     """
     _check_temperature(temperature)
     parts = []
@@ -117,7 +119,9 @@ def token_entropy(
         ids = None if tokens is None else tokens[start : start + chunk_size]  # [n, T]
         scaled = _sampler_logits(logits[start : start + chunk_size], temperature, top_k, top_p, ids)
         logp = torch.log_softmax(scaled, dim=-1)  # [n, T, V]
-        plogp = torch.where(logp > -math.inf, logp.exp() * logp, 0.0)  # [n, T, V]
+        kept = logp > -math.inf  # [n, T, V]
+        logp = torch.where(kept, logp, 0.0)  # [n, T, V] no -inf: 0 * -inf would be a NaN gradient
+        plogp = torch.where(kept, logp.exp() * logp, 0.0)  # [n, T, V]
         parts.append(-plogp.sum(dim=-1))  # [n, T]
     if not parts:
         return logits.new_zeros(logits.shape[:2], dtype=torch.float32)  # [0, T]

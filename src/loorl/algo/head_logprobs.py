@@ -75,15 +75,27 @@ def _chunk_statistics(scaled, ids, logp, lse, entropy) -> None:
         del shifted, weights  # before the next block's exist
 
 
-def _chunk_logit_grads(scaled, ids, lse, grad_logp, temperature) -> torch.Tensor:
+def _chunk_logit_grads(scaled, ids, lse, grad_logp, temperature, entropy=None, grad_entropy=None):
     """d loss / d logits [c, V] of one chunk, written over its sampler logits `scaled` [c, V]:
-    d log p(id) / d scaled = onehot(id) - softmax(scaled), then the temperature's 1/T."""
-    g = grad_logp.to(lse.dtype)  # [c]
+    d log p(id) / d scaled = onehot(id) - softmax(scaled), and where the entropy H [c] has a gradient
+    d H / d scaled = -p * (log p + H); then the temperature's 1/T. Truncated entries (p = 0) get 0."""
+    g = None if grad_logp is None else grad_logp.to(lse.dtype)  # [c]
+    g_h = None if grad_entropy is None else grad_entropy.to(lse.dtype)  # [c]
     for rows in _row_blocks(scaled.shape[0], scaled.shape[0]):
-        probs = scaled[rows].sub_(lse[rows, None]).exp_()  # [b, V] in place: softmax, 0 where truncated
-        probs.mul_(-g[rows, None]).scatter_add_(-1, ids[rows, None], g[rows, None])
+        log_p = scaled[rows].sub_(lse[rows, None])  # [b, V] in place: log softmax, -inf where truncated
+        probs = log_p.exp() if g_h is not None else log_p.exp_()  # [b, V] softmax, 0 where truncated
+        if g is not None:
+            grads = probs.mul(-g[rows, None]) if g_h is not None else probs.mul_(-g[rows, None])  # [b, V]
+            grads.scatter_add_(-1, ids[rows, None], g[rows, None])
+        else:
+            grads = torch.zeros_like(probs)  # [b, V]
+        if g_h is not None:  # a finite log p where p = 0, so that 0 * log p stays 0
+            log_p.clamp_(min=torch.finfo(log_p.dtype).min).add_(entropy[rows, None])  # [b, V] log p + H
+            grads.sub_(probs.mul_(log_p).mul_(g_h[rows, None]))
+            scaled[rows] = grads
         if temperature != 1.0:
-            probs.div_(temperature)
+            scaled[rows].div_(temperature)
+        del log_p, probs, grads
     return scaled
 
 
@@ -91,7 +103,9 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
     """(hidden [M, H], weight [V, H], bias [V] | None, tokens [M]) -> log p(token) [M], entropy [M]."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, tokens, temperature, top_k, top_p, chunk_tokens, with_entropy):
+    def forward(
+        ctx, hidden, weight, bias, tokens, temperature, top_k, top_p, chunk_tokens, with_entropy, entropy_grad
+    ):
         device = hidden.device.type
         # The matmul runs in autocast's dtype where autocast is on (as the output layer would), else
         # in the weights'; the casts are made once here and kept for the backward, as autograd keeps
@@ -114,15 +128,19 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
                     scaled, tokens[part], logp[part], lse[part], entropy[part] if with_entropy else None
                 )
                 del scaled  # before the next chunk's logits exist
-        ctx.save_for_backward(h, w, b, tokens, lse)
+        ctx.save_for_backward(h, w, b, tokens, lse, entropy if entropy_grad else None)
         ctx.hidden_dtype, ctx.weight_dtype = hidden.dtype, weight.dtype
         ctx.args = args
-        ctx.mark_non_differentiable(entropy)
+        ctx.set_materialize_grads(False)  # an output the loss does not use gets None, not zeros: no work
+        if not entropy_grad:
+            ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
-        h, w, b, tokens, lse = ctx.saved_tensors
+        h, w, b, tokens, lse, entropy = ctx.saved_tensors
+        if grad_logp is None and grad_entropy is None:
+            return (None,) * 10
         args, n = ctx.args, h.shape[0]
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grad_h = torch.empty_like(h) if need_h else None  # [M, H]
@@ -140,8 +158,10 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
                 part = slice(start, min(n, start + args["chunk_tokens"]))
                 scaled = _scaled_logits(h[part], w_t, b, tokens[part], **args)  # [c, V] recomputed, not kept
                 grad_logits = _chunk_logit_grads(
-                    scaled, tokens[part], lse[part], grad_logp[part], args["temperature"]
-                )
+                    scaled, tokens[part], lse[part], None if grad_logp is None else grad_logp[part],
+                    args["temperature"], None if grad_entropy is None else entropy[part],
+                    None if grad_entropy is None else grad_entropy[part],
+                )  # fmt: skip
                 grad_logits = grad_logits.to(h.dtype)  # [c, V] in the compute dtype, as autograd casts it
                 del scaled
                 if need_h:
@@ -162,7 +182,7 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
             )
         grad_h = None if grad_h is None else grad_h.to(ctx.hidden_dtype)
         grad_b = None if grad_b is None else grad_b.to(ctx.weight_dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 def head_logprobs(
@@ -176,12 +196,13 @@ def head_logprobs(
     top_p: float = 1.0,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """log p(token) and the entropy [...] of the sampler's distribution at hidden states [..., H].
 
-    Equal to `token_logprobs(hidden @ weight.T + bias, tokens, ...)` and `token_entropy(...)` (the
-    entropy carries no gradient; zeros unless `with_entropy`), with at most one chunk of
-    `chunk_tokens` positions' logits alive at a time, forward and backward.
+    Equal to `token_logprobs(hidden @ weight.T + bias, tokens, ...)` and `token_entropy(...)` (zeros
+    unless `with_entropy`; with a gradient where `entropy_grad`, for an entropy term in the loss), with
+    at most one chunk of `chunk_tokens` positions' logits alive at a time, forward and backward.
     """
     _check_temperature(temperature)
     shape = tokens.shape
@@ -189,10 +210,10 @@ def head_logprobs(
     flat_ids = tokens.reshape(-1).long()  # [M]
     if flat_ids.numel() == 0:
         empty = flat_h.new_zeros(shape, dtype=torch.promote_types(flat_h.dtype, torch.float32))
-        return empty + 0 * flat_h.sum(), empty
+        return empty + 0 * flat_h.sum(), empty + 0 * flat_h.sum() if entropy_grad else empty
     logp, entropy = _ChunkedHeadLogprobs.apply(
         flat_h, weight, bias, flat_ids, float(temperature), int(top_k), float(top_p),
-        max(1, int(chunk_tokens)), bool(with_entropy),
+        max(1, int(chunk_tokens)), bool(with_entropy or entropy_grad), bool(entropy_grad),
     )  # fmt: skip
     return logp.view(shape), entropy.view(shape)
 
@@ -205,11 +226,18 @@ class ScoringHead(torch.nn.Module):
     once for its K samples, `logprobs.shared_prompt_logits`)."""
 
     def __init__(
-        self, linear: torch.nn.Linear, *, sampling_args: dict, chunk_tokens: int, with_entropy: bool
+        self,
+        linear: torch.nn.Linear,
+        *,
+        sampling_args: dict,
+        chunk_tokens: int,
+        with_entropy: bool,
+        entropy_grad: bool = False,
     ):
         super().__init__()
         self.linear = linear
         self.sampling_args, self.chunk_tokens, self.with_entropy = sampling_args, chunk_tokens, with_entropy
+        self.entropy_grad = entropy_grad
         self.targets: torch.Tensor | None = None  # [n, t] set before each call
         self.repeat = 1
         self.entropies: list[torch.Tensor] = []  # [n, t] of each call, in order
@@ -219,7 +247,8 @@ class ScoringHead(torch.nn.Module):
             hidden = hidden.repeat_interleave(self.repeat, dim=0)  # [n, t, H]
         logp, entropy = head_logprobs(
             hidden, self.linear.weight, self.targets, bias=self.linear.bias,
-            chunk_tokens=self.chunk_tokens, with_entropy=self.with_entropy, **self.sampling_args,
+            chunk_tokens=self.chunk_tokens, with_entropy=self.with_entropy, entropy_grad=self.entropy_grad,
+            **self.sampling_args,
         )  # fmt: skip
         self.entropies.append(entropy)
         return logp  # [n, t]
@@ -240,11 +269,22 @@ def output_layer(model: torch.nn.Module) -> tuple[torch.nn.Module, str, torch.nn
 
 
 @contextmanager
-def scoring_head(model: torch.nn.Module, *, sampling_args: dict, chunk_tokens: int, with_entropy: bool):
+def scoring_head(
+    model: torch.nn.Module,
+    *,
+    sampling_args: dict,
+    chunk_tokens: int,
+    with_entropy: bool,
+    entropy_grad: bool = False,
+):
     """The model with a `ScoringHead` in place of its output layer for the duration of the block."""
     parent, attr, layer = output_layer(model)
     head = ScoringHead(
-        layer, sampling_args=sampling_args, chunk_tokens=chunk_tokens, with_entropy=with_entropy
+        layer,
+        sampling_args=sampling_args,
+        chunk_tokens=chunk_tokens,
+        with_entropy=with_entropy,
+        entropy_grad=entropy_grad,
     )
     setattr(parent, attr, head)
     try:

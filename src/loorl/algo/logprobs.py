@@ -134,9 +134,11 @@ def completion_scores(
     packed: bool = False,
     chunk_tokens: int | None = None,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log pi(y_t | x, y_<t) [N, C] under the sampler's distribution, and its entropy [N, C] (None
-    unless `with_entropy`; it carries no gradient). Padding positions are garbage.
+    unless `with_entropy`; with a gradient where `entropy_grad`, for an entropy term in the loss).
+    Padding positions are garbage.
 
     Where the model's output layer is a plain linear layer, the log-probs come from its hidden
     states chunk by chunk (`head_logprobs`: no [N, C, V] logits, also in the backward); elsewhere
@@ -149,10 +151,14 @@ def completion_scores(
         logp = token_logprobs(logits, batch.completion_ids, **score)  # [N, C]
         if not with_entropy:
             return logp, None
+        if entropy_grad:  # keeps [n, C, V] temporaries for the backward: the chunked head's path does not
+            return logp, token_entropy(logits, tokens=batch.completion_ids, **score)  # [N, C]
         with torch.no_grad():
             return logp, token_entropy(logits.detach(), tokens=batch.completion_ids, **score)  # [N, C]
     chunk = chunk_tokens or DEFAULT_CHUNK_TOKENS
-    with scoring_head(model, sampling_args=score, chunk_tokens=chunk, with_entropy=with_entropy) as head:
+    with scoring_head(
+        model, sampling_args=score, chunk_tokens=chunk, with_entropy=with_entropy, entropy_grad=entropy_grad
+    ) as head:
         if packed:
             logp = packed_completion_logprobs(model, batch, share_prompt=share_prompt, head=head)  # [N, C]
         else:

@@ -1,5 +1,7 @@
-"""The policy objective: per-token policy-gradient losses (a registry), their aggregation, and the
-loss of one micro-batch with its statistics. The KL term's estimators live in `loorl.algo.kl`.
+"""The policy objective: the per-token policy-gradient losses REINFORCE and PPO's clipped surrogate,
+their aggregation, and the loss of one micro-batch with its statistics. The registry of losses is
+`loorl.algo.loss_registry` (its names are importable from here), the field's newer losses are
+`loorl.algo.policy_losses`, and the KL term's estimators live in `loorl.algo.kl`.
 
 Shapes: N sequences, T completion positions (right-padded), V vocabulary entries.
 `mask` [N, T] is 1 on real completion tokens; positions outside it may hold anything (even NaN)
@@ -9,54 +11,30 @@ and never reach a loss, because they are dropped with `torch.where`, not multipl
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
-from typing import Literal, Protocol, get_args
 
 import torch
 
+from loorl.algo import policy_losses as _newer_losses  # noqa: F401  (registers the field's newer losses)
+from loorl.algo.entropy import top_entropy_mask
 from loorl.algo.kl import MAX_LOG_RATIO, kl_per_token
+from loorl.algo.loss_registry import (  # noqa: F401  (the registry's names, re-exported)
+    AGGREGATIONS,
+    IS_MODES,
+    RATIO_LEVELS,
+    Aggregation,
+    ISMode,
+    LossParams,
+    RatioLevel,
+    TokenLoss,
+    loss_names,
+    register_loss,
+    token_loss_of,
+)
 from loorl.algo.masked import masked_mean
 from loorl.errors import ConfigError
 from loorl.parallel.distributed import all_reduce
 from loorl.types import RolloutBatch
-from loorl.util.plugins import import_object
-
-Aggregation = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-RatioLevel = Literal["token", "sequence"]
-ISMode = Literal["truncate", "token_mask", "sequence_mask"]  # `loss.is_mode`: how the sampler ratio corrects
-AGGREGATIONS, RATIO_LEVELS, IS_MODES = get_args(Aggregation), get_args(RatioLevel), get_args(ISMode)
-
-
-class LossParams(Protocol):
-    """What a per-token loss and `policy_loss` read of the loss's settings: the algorithm layer's own
-    type, so that a plug-in loss is written against `loorl.algo` alone. The `loss` section of the
-    config (`loorl.settings.LossSettings`, a layer above this one: it checks `name` against the
-    registry here) has these attributes and is passed as it is, with no conversion; so is any object
-    that has them. Read-only: a loss never changes its settings."""
-
-    @property
-    def name(self) -> str: ...  # the registered per-token loss (`loss.name`)
-    @property
-    def target(self) -> str | None: ...  # a dotted path to a per-token loss outside loorl (wins over name)
-    @property
-    def agg(self) -> Aggregation: ...  # `aggregate`'s mode
-    @property
-    def clip_low(self) -> float: ...  # the clipped surrogate's band: [1 - clip_low, 1 + clip_high]
-    @property
-    def clip_high(self) -> float: ...
-    @property
-    def ratio_level(self) -> RatioLevel: ...  # token: pi/pi_old per token; sequence: GSPO's
-    @property
-    def tis_cap(self) -> float | None: ...  # the truncated importance weight's cap; None: off
-    @property
-    def is_mode(self) -> ISMode: ...  # truncate, or a mask of `sampler_ratio_mask`
-    @property
-    def is_low(self) -> float: ...  # the masks' band of the sampler ratio: [is_low, is_high]
-    @property
-    def is_high(self) -> float: ...
-    @property
-    def max_len(self) -> int: ...  # seq-mean-token-sum-norm's constant
 
 
 # ---- policy losses -----------------------------------------------------------------------------
@@ -125,46 +103,29 @@ def sampler_ratio_mask(
     return valid & (level >= lo) & (level <= hi)  # [N, T]
 
 
-# ---- the registry of per-token policy losses ---------------------------------------------------
-TokenLoss = Callable[..., "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
-_TOKEN_LOSSES: dict[str, TokenLoss] = {}
+def off_policy_sequence_mask(
+    advantages: torch.Tensor,
+    logprobs: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    threshold: float,
+) -> torch.Tensor:
+    """Which sequences [N, 1] keep their policy loss under DeepSeek-V3.2's off-policy sequence mask
+    (arXiv 2512.02556, eq. 9; `loss.off_policy_mask_threshold`, TRL's `off_policy_mask_threshold`).
+
+    A sequence is dropped when its advantage is negative and the mean over its tokens of
+    log pi_sampler - log pi_train (a KL estimate of how far the trained policy has moved from the one
+    that sampled) exceeds `threshold`: pushing down a sample the current policy would no longer draw
+    mostly destabilises. Positive advantages are always kept. A token the sampler could not score
+    (NaN) adds 0, as in TRL; no gradient."""
+    valid = mask.bool()  # [N, T]
+    drift = torch.nan_to_num(sampler_logprobs - logprobs.detach(), nan=0.0)  # [N, T]
+    mean_drift = masked_mean(drift, valid, -1, keepdim=True)  # [N, 1]
+    return (advantages.detach().unsqueeze(-1) >= 0) | (mean_drift <= threshold)  # [N, 1]
 
 
-def register_loss(name: str) -> Callable[[TokenLoss], TokenLoss]:
-    """Register `fn(logprobs [n, C], batch: RolloutBatch, settings: LossParams)` under `name`.
-
-    It returns the per-token loss [n, C] (its gradient is the policy gradient), or that and a bool
-    [n, C] marking the tokens where a clip was active (`train/clip_frac`). `batch` holds the
-    advantages [n], the completion mask [n, C] and, when the ratio can differ from 1, the old
-    log-probs [n, C]; `policy_loss` then applies truncated importance sampling, the KL loss term and
-    the aggregation (`loss.agg`). Chosen by `loss.name`, or by `loss._target_` for a function
-    outside loorl (registered or not)."""
-
-    def decorator(fn: TokenLoss) -> TokenLoss:
-        if name in _TOKEN_LOSSES:
-            raise ValueError(f"policy loss '{name}' is already registered")
-        _TOKEN_LOSSES[name] = fn
-        return fn
-
-    return decorator
-
-
-def loss_names() -> list[str]:
-    return sorted(_TOKEN_LOSSES)
-
-
-def token_loss_of(name: str, target: str | None = None) -> TokenLoss:
-    """The per-token loss `loss._target_` names (a dotted path), else the registered `loss.name`."""
-    if target is not None:
-        return import_object(target, "loss._target_")
-    if name not in _TOKEN_LOSSES:
-        raise ConfigError(
-            f"unknown policy loss '{name}' (loss.name); choose one of: {', '.join(loss_names())} "
-            "(or loss._target_=<module.function> for your own)"
-        )
-    return _TOKEN_LOSSES[name]
-
-
+@register_loss("gpg")  # GPG's loss (Chu et al. 2025) is REINFORCE's: no ratio, no clip (verl's `gpg`)
 @register_loss("reinforce")
 def reinforce_loss(logprobs: torch.Tensor, batch: RolloutBatch, settings: LossParams) -> torch.Tensor:
     """-A * log pi [n, C], whatever the old log-probs: the on-policy REINFORCE loss."""
@@ -250,6 +211,8 @@ class LossStats:
     log_ratio_max: float = 0.0  # the largest |log ratio| (a maximum, not a sum)
     tis_weight: float | None = None  # with truncated importance sampling
     is_masked: float | None = None  # with masked importance sampling: real tokens whose loss was dropped
+    off_policy_masked: float | None = None  # with the off-policy sequence mask: real tokens it dropped
+    entropy_masked: float | None = None  # with top_entropy_quantile < 1: real tokens below the share
     ratio: float | None = None  # off-policy: sum of pi_train / pi_old over tokens (old: the behaviour policy)
     ratio_sq: float | None = None  # and of its square (the ratio's spread)
     kl: float | None = None  # with a KL loss term
@@ -268,8 +231,8 @@ class LossStats:
         normalised by the global counts, so the losses add up to the global loss), the maximum of
         `log_ratio_max`; `steps` and `grad_norm` are the same on every rank (the gradient is
         all-reduced before it is clipped) and stay as they are."""
-        names = ("loss", "tokens", "entropy", "clipped", "log_ratio", "tis_weight", "is_masked", "ratio",
-                 "ratio_sq", "kl")  # fmt: skip
+        names = ("loss", "tokens", "entropy", "clipped", "log_ratio", "tis_weight", "is_masked",
+                 "off_policy_masked", "entropy_masked", "ratio", "ratio_sq", "kl")  # fmt: skip
         summed = [f for f in names if getattr(self, f) is not None]
         totals = all_reduce([getattr(self, f) for f in summed]).tolist()
         return replace(
@@ -291,6 +254,10 @@ class LossStats:
             metrics["train/tis_weight_mean"] = self.tis_weight / tokens
         if self.is_masked is not None:
             metrics["train/is_masked_frac"] = self.is_masked / tokens  # of the trained tokens
+        if self.off_policy_masked is not None:
+            metrics["train/off_policy_masked_frac"] = self.off_policy_masked / tokens
+        if self.entropy_masked is not None:
+            metrics["train/entropy_masked_frac"] = self.entropy_masked / tokens
         if self.ratio is not None:  # off-policy: the importance ratio's mean and spread over tokens
             mean = self.ratio / tokens
             metrics["train/ratio_mean"] = mean
@@ -312,19 +279,28 @@ def policy_loss(
     kl_coef: float | None = None,
     kl_estimator: str = "k3",
     token_loss: TokenLoss | None = None,
+    entropy: torch.Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, LossStats]:
     """The policy-gradient loss of a micro-batch and its statistics.
 
-    logprobs [n, C]: the trained policy's, with gradient, under the sampler's distribution.
-    The per-token loss is `token_loss` (default: the one `settings.target` or `settings.name` names;
-    `auto` is REINFORCE when `batch.old_logprobs` is None, the clipped surrogate otherwise); tokens
-    are weighted by the truncated importance weight min(pi_train / pi_sampler, tis_cap) when
-    `settings.tis_cap` is set, a KL loss term `kl_coef * kl_t` is added when `kl_coef` is not None,
-    tokens outside the sampler-ratio band carry no loss at all (policy and KL terms) under
-    `settings.is_mode` token_mask or sequence_mask (`sampler_ratio_mask`; the counts stay the whole
-    mini-batch's, as TRL's zero weights do, so the loss does not depend on the micro-batch), and the
-    result is aggregated with the counts of the whole mini-batch (`num_tokens`, `num_seqs`),
-    so that the micro-batch losses add up to the mini-batch loss.
+    logprobs [n, C]: the trained policy's, with gradient, under the sampler's distribution. The per-token
+    loss is `token_loss` (default: the one `settings.target` or `settings.name` names; `auto` is REINFORCE
+    when `batch.old_logprobs` is None, the clipped surrogate otherwise); the sequences DeepSeek-V3.2's
+    off-policy mask drops (`settings.off_policy_mask_threshold`) lose their policy term, not their KL
+    term; tokens are weighted by the truncated importance weight min(pi_train / pi_sampler, tis_cap) when
+    `settings.tis_cap` is set, a KL loss term `kl_coef * kl_t` is added when `kl_coef` is not None, tokens
+    outside the sampler-ratio band carry no loss at all (policy and KL terms) under `settings.is_mode`
+    token_mask or sequence_mask (`sampler_ratio_mask`; the counts stay the whole mini-batch's, as TRL's
+    zero weights do, so the loss does not depend on the micro-batch), and the result is aggregated with
+    the counts of the whole mini-batch (`num_tokens`, `num_seqs`), so that the micro-batch losses add up
+    to the mini-batch loss.
+
+    `entropy` [n, C] (with gradient where `entropy_coef` > 0): with `settings.top_entropy_quantile` < 1
+    only the share of real tokens with the highest entropy keep their policy term (2506.01939); the
+    bonus `-entropy_coef * sum(H) / num_tokens` over the tokens that keep it is added to the loss, a
+    mean token entropy whatever `loss.agg` is (as TRL's), with the mini-batch's count so that micro-
+    batches add up.
     """
     mask = batch.completion_mask  # [n, C]
     token_loss = token_loss or token_loss_of(settings.name, settings.target)
@@ -342,6 +318,23 @@ def policy_loss(
     if batch.old_logprobs is not None:  # off-policy: pi_train / pi_old, the ratio the clipped loss uses
         ratio = torch.where(mask.bool(), torch.exp(logprobs.detach() - batch.old_logprobs), 0.0)  # [n, C]
         stats.ratio, stats.ratio_sq = float(ratio.sum()), float((ratio * ratio).sum())
+    trained = mask.bool()  # [n, C] the tokens that keep their policy term (and get the entropy bonus)
+    if settings.top_entropy_quantile < 1.0:  # the policy term only, as TRL's
+        if entropy is None:
+            raise ValueError("loss.top_entropy_quantile < 1 needs the tokens' entropies: pass entropy=")
+        trained = top_entropy_mask(entropy, mask, settings.top_entropy_quantile)  # [n, C]
+        tok_loss = torch.where(trained, tok_loss, 0.0)  # [n, C]
+        stats.entropy_masked = float((mask.bool() & ~trained).sum())
+    if settings.off_policy_mask_threshold is not None:  # before the KL term: it drops the policy term only
+        keep = off_policy_sequence_mask(
+            batch.advantages,
+            logprobs,
+            batch.sampler_logprobs,
+            mask,
+            threshold=settings.off_policy_mask_threshold,
+        )  # [n, 1]
+        tok_loss = torch.where(keep, tok_loss, 0.0)  # [n, C]
+        stats.off_policy_masked = float((mask.bool() & ~keep).sum())
     if settings.tis_cap is not None:
         weight = torch.exp(log_ratio).clamp(max=settings.tis_cap)  # [n, C] truncated IS weight, no gradient
         tok_loss = tok_loss * weight  # [n, C]
@@ -359,5 +352,10 @@ def policy_loss(
     loss = aggregate(
         tok_loss, mask, mode=settings.agg, num_tokens=num_tokens, num_seqs=num_seqs, max_len=settings.max_len
     )
+    if entropy_coef:
+        if entropy is None or not entropy.requires_grad:
+            raise ValueError("an entropy bonus needs the entropies with their gradient (entropy_grad=True)")
+        bonus = torch.where(trained, entropy, 0.0).sum() / num_tokens  # [] the mean token entropy
+        loss = loss - entropy_coef * bonus
     stats.loss = float(loss.detach())
     return loss, stats

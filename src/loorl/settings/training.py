@@ -120,6 +120,9 @@ class EstimatorSettings(Section):
         return estimators.resolve(self.name, self.target)
 
 
+PER_SEQUENCE_LOSSES = ("sapo", "geo_mean")  # one loss per sequence: they need loss.agg=seq-mean-token-mean
+
+
 @dataclass(frozen=True, config=SCHEMA)
 class LossSettings(Section):
     """`loss`: the policy loss and its aggregation. The losses take it as `loorl.algo.objectives.LossParams`
@@ -137,9 +140,55 @@ class LossSettings(Section):
     is_low: NonNegativeFloat = 0.5  # the masks: a token (sequence) whose sampler ratio is below this, or
     is_high: PositiveFloat = 2.0  # above this, carries no loss
     max_len: PositiveInt = 16  # seq-mean-token-sum-norm's constant (the generation limit)
+    off_policy_mask_threshold: PositiveFloat | None = None  # DeepSeek-V3.2's sequence mask; None: off
+    entropy_coef: NonNegativeFloat = 0.0  # the entropy bonus; with entropy_target its starting value
+    entropy_target: PositiveFloat | None = None  # adapt entropy_coef towards this token entropy; None: fixed
+    entropy_coef_delta: PositiveFloat = 0.005  # the adaptive rule's step
+    entropy_coef_min: NonNegativeFloat = 0.0  # the adaptive rule's bounds
+    entropy_coef_max: NonNegativeFloat = 1.0
+    top_entropy_quantile: Annotated[float, Field(gt=0, le=1)] = (
+        1.0  # the share of tokens, by entropy, trained
+    )
+    # the field's newer losses (loorl.algo.policy_losses; conf/train.yaml says which reads which)
+    dppo_ratio_cap: PositiveFloat = 20.0
+    sapo_tau_pos: PositiveFloat = 1.0
+    sapo_tau_neg: PositiveFloat = 1.05
+    cov_share: Annotated[float, Field(gt=0, le=1)] = 2.0e-4
+    clip_cov_low: float = 1.0
+    clip_cov_high: float = 5.0
+    kl_cov_coef: NonNegativeFloat = 0.1
+    dro_beta: PositiveFloat = 0.1
 
     def __post_init__(self) -> None:
         token_loss_of(self.name, self.target)  # an unknown name or a bad `_target_`: one line now
+        if self.target is None and self.name in PER_SEQUENCE_LOSSES and self.agg != "seq-mean-token-mean":
+            raise ConfigError(
+                f"loss.name={self.name} with loss.agg={self.agg}: {self.name} averages each sequence's "
+                "tokens, as its paper and verl do; set loss.agg=seq-mean-token-mean"
+            )
+        if self.target is None and self.ratio_level == "sequence" and self.name not in ("clipped", "auto"):
+            raise ConfigError(
+                f"loss.ratio_level=sequence with loss.name={self.name}: the sequence ratio (GSPO) is the "
+                "clipped surrogate's; set loss.name=clipped, or loss.ratio_level=token"
+            )
+        if self.entropy_target is not None and self.entropy_coef_max == 0:
+            raise ConfigError(
+                f"loss.entropy_target={self.entropy_target} with loss.entropy_coef_max=0: the coefficient "
+                "can never rise above 0, so no entropy gradient is ever trained; raise entropy_coef_max "
+                "(e.g. 1.0) or drop entropy_target"
+            )
+        bounds = (self.entropy_coef_min, self.entropy_coef_max)
+        if self.entropy_target is not None and not bounds[0] <= self.entropy_coef <= bounds[1]:
+            raise ConfigError(
+                f"loss.entropy_coef={self.entropy_coef} outside [loss.entropy_coef_min={bounds[0]}, "
+                f"loss.entropy_coef_max={bounds[1]}]: start the adaptive coefficient within its bounds"
+            )
+        if self.name == "clip_cov" and self.clip_cov_low >= self.clip_cov_high:
+            raise ConfigError(
+                f"loss.clip_cov_low={self.clip_cov_low} >= loss.clip_cov_high={self.clip_cov_high}: no "
+                "token's covariance lies in the band, so Clip-Cov would cut none; set clip_cov_low below "
+                "clip_cov_high"
+            )
         if self.is_mode != "truncate" and self.is_low >= self.is_high:
             raise ConfigError(
                 f"loss.is_low={self.is_low} >= loss.is_high={self.is_high} with loss.is_mode={self.is_mode}: "

@@ -19,17 +19,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 
 import lightning as L
-import numpy as np
 import torch
 from torchmetrics import MeanMetric, SumMetric
 
+from loorl.algo.entropy import EntropyCoefficient
 from loorl.algo.estimators import AdvantageInput
 from loorl.algo.kl import AdaptiveKLController, FixedKLController, sequence_kl
-from loorl.algo.logprobs import FrozenReference, completion_logprobs, completion_scores, microbatch_rows
+from loorl.algo.logprobs import FrozenReference, completion_logprobs, completion_scores
 from loorl.algo.objectives import LossStats, policy_loss, token_loss_of
 from loorl.models.load import load_causal_lm
 from loorl.models.lora import AdapterFreeReference, apply_lora, frozen_names
@@ -43,6 +42,7 @@ from loorl.settings import (
     ModelSettings,
     RLSettings,
 )
+from loorl.training.batches import microbatches, minibatch_prompts
 from loorl.training.lr_schedule import lr_scheduler
 from loorl.training.run_identity import IDENTITY_KEY
 from loorl.training.validation_metrics import COUNTED_METRICS, VALIDATION_METRICS, log_heldout_metrics
@@ -51,22 +51,6 @@ from loorl.util.autocast import cached_autocast
 from loorl.util.profiling import PhaseClock
 
 log = logging.getLogger(__name__)
-
-
-def minibatch_prompts(rl: RLSettings, *, seed: int, step: int, world_size: int = 1) -> list[list[int]]:
-    """This rank's groups in each optimizer step of RL step `step`, as indices into its own B/W groups.
-
-    Every group once per pass, shuffled per pass by a generator seeded with (seed, step), so a
-    resumed run takes the same mini-batches. With W ranks each takes M/W of its own groups into
-    every mini-batch: the global mini-batch is M whole groups, and no group crosses ranks.
-    """
-    groups, per_step = rl.prompts_per_step // world_size, rl.prompts_per_minibatch // world_size
-    gen = torch.Generator().manual_seed(int(np.random.default_rng([seed, step, 1]).integers(2**62)))
-    out = []
-    for _ in range(rl.epochs_per_rollout):
-        order = torch.randperm(groups, generator=gen).tolist()
-        out += [order[i : i + per_step] for i in range(0, len(order), per_step)]
-    return out
 
 
 class PolicyGradientModule(L.LightningModule):
@@ -103,6 +87,10 @@ class PolicyGradientModule(L.LightningModule):
             if kl.adaptive
             else FixedKLController(kl.coef)
         )
+        self.entropy_coef = EntropyCoefficient(  # `loss.entropy_*`: fixed, or adapted towards a target
+            loss.entropy_coef, loss.entropy_target, loss.entropy_coef_delta, loss.entropy_coef_min,
+            loss.entropy_coef_max,
+        )  # fmt: skip
         self.automatic_optimization = False
         self.policy = None
         self.reference: FrozenReference | None = None
@@ -232,7 +220,11 @@ class PolicyGradientModule(L.LightningModule):
         opt, stats = self.optimizers(), LossStats()
         world = rank_and_world()[1]
         for groups in minibatch_prompts(self.rl, seed=self.seed, step=rollout.step, world_size=world):
-            stats += self.accumulate_gradients(batch.select_groups(groups), self.manual_backward)
+            step_stats = self.accumulate_gradients(batch.select_groups(groups), self.manual_backward)
+            stats += step_stats
+            if self.entropy_coef.target is not None:  # the mean token entropy of all ranks' mini-batch
+                entropy, tokens = all_reduce([step_stats.entropy, step_stats.tokens]).tolist()
+                self.entropy_coef.update(entropy / max(tokens, 1.0))
             lr = opt.param_groups[0]["lr"]  # the rate this step uses
             with clock.phase("optimizer"):
                 opt.step()  # clips in on_before_optimizer_step, after a 16-mixed loss scaler unscaled
@@ -246,6 +238,8 @@ class PolicyGradientModule(L.LightningModule):
         rewards = batch.rewards
         self.reward_mean.update(rewards[~rewards.isnan()])  # synced over ranks (sums and counts) on compute
         metrics = {**rollout.stats, **rollout_metrics, **stats.as_metrics(), "train/lr": lr}
+        if self.entropy_coef.needs_gradient:
+            metrics["train/entropy_coef"] = self.entropy_coef.value  # what the next optimizer step applies
         seconds = float(all_reduce(time.perf_counter() - t0, "max"))
         tokens = float(all_reduce(batch.attention_mask.sum()))  # all ranks'
         metrics["perf/train_tokens_per_s"] = tokens * self.rl.epochs_per_rollout / seconds
@@ -275,7 +269,7 @@ class PolicyGradientModule(L.LightningModule):
         kl_coef = self.kl_controller.value if self.reference is not None and not self.kl.in_reward else None
         skip = self.rl.skip_zero_advantage and kl_coef is None  # a KL loss term has a gradient on every row
         stats = LossStats()
-        for sub in self.microbatches(batch, skip_zero_advantage=skip):
+        for sub in microbatches(batch, self.rl, skip_zero_advantage=skip):
             with self.clock.phase("forward"):  # the policy's pass and the loss on its log-probs
                 with cached_autocast(self.device):  # one bf16 copy of each weight, not one per pass
                     logp, entropy = completion_scores(
@@ -286,7 +280,8 @@ class PolicyGradientModule(L.LightningModule):
                         packed=self.rl.microbatch_tokens is not None,
                         chunk_tokens=self.rl.logprob_chunk_tokens,
                         with_entropy=True,
-                    )  # [n, C] each; the entropy without gradient
+                        entropy_grad=self.entropy_coef.needs_gradient,
+                    )  # [n, C] each; the entropy with a gradient only for an entropy bonus
                 loss, micro = policy_loss(
                     logp,
                     sub,
@@ -294,33 +289,16 @@ class PolicyGradientModule(L.LightningModule):
                     kl_coef=kl_coef,
                     kl_estimator=self.kl.estimator,
                     token_loss=self.token_loss,
+                    entropy=entropy,
+                    entropy_coef=self.entropy_coef.value,
                     **counts,
                 )
             with self.clock.phase("backward"):
                 backward(loss * world if world > 1 else loss)
             stats += micro + LossStats(
-                entropy=float(torch.where(sub.completion_mask.bool(), entropy, 0.0).sum())
+                entropy=float(torch.where(sub.completion_mask.bool(), entropy.detach(), 0.0).sum())
             )
         return stats
-
-    def microbatches(self, batch: RolloutBatch, *, skip_zero_advantage: bool) -> Iterator[RolloutBatch]:
-        """The pieces of a mini-batch that one forward and backward take: `rl.prompts_per_microbatch`
-        whole groups (padded), or with `rl.microbatch_tokens` packed micro-batches of at most that
-        many real tokens (advantages are already computed, so rows of a group may be apart, unless
-        `share_prompt` packs their prompt once). `skip_zero_advantage`: groups whose advantages are
-        all 0 are left out first; the loss's counts are the whole mini-batch's, so the loss and the
-        gradient stay the same."""
-        budget = self.rl.microbatch_tokens
-        if budget is None:
-            for sub in batch.group_chunks(self.rl.prompts_per_microbatch):
-                keep = sub.groups_with_signal() if skip_zero_advantage else None
-                yield sub if keep is None or len(keep) == sub.num_groups else sub.select_groups(keep)
-            return
-        if skip_zero_advantage:
-            keep = batch.groups_with_signal()
-            batch = batch if len(keep) == batch.num_groups else batch.select_groups(keep)
-        for rows in microbatch_rows(batch, budget, share_prompt=self.rl.share_prompt):
-            yield batch.select_rows(rows)
 
     def on_train_epoch_start(self) -> None:
         self._step_started = time.perf_counter()  # before the loop fetches (and generates) the rollout
@@ -376,9 +354,12 @@ class PolicyGradientModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["kl_controller"] = self.kl_controller.state_dict()
+        checkpoint["entropy_coef"] = self.entropy_coef.state_dict()
         if self.identity is not None:
             checkpoint[IDENTITY_KEY] = self.identity  # checked before a resume loads anything
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         if "kl_controller" in checkpoint:
             self.kl_controller.load_state_dict(checkpoint["kl_controller"])
+        if "entropy_coef" in checkpoint:
+            self.entropy_coef.load_state_dict(checkpoint["entropy_coef"])
