@@ -3,10 +3,11 @@
 
 Each wheel is fetched into the session's wheel cache (as loorl fetches its own wheels; a skip where the
 package index cannot be reached) and unpacked there, never installed and never copied into loorl.
-`core_algos` imports Ray, tensordict and codetiming at the top (for its data protocol and timers,
-which no estimator or loss here uses): while the oracle is loaded, an import of any of them gets an
-empty stand-in module, and afterwards every stand-in, every verl module and verl's changes to the
-environment and the root logger are undone, so the tests after it see the interpreter as it was.
+`core_algos` imports Ray, tensordict, codetiming and orjson at the top (for its data protocol, timers
+and trackers, which no estimator or loss here uses): while the oracle is loaded, an import of one that
+is not installed gets an empty stand-in module, and afterwards every stand-in, every verl or TRL module
+and their changes to the environment and the root logger are undone, so the tests after it see the
+interpreter as it was.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from fixtures import needs_wheel
 
 VERL_WHEEL = ("verl", "0.9.1")
 TRL_WHEEL = ("trl", "1.16.0")
-STAND_INS = ("ray", "tensordict", "codetiming")  # imported by verl at the top, used by nothing compared
+# imported by verl at the top (its data protocol, timers and trackers), used by nothing compared; a stand-in
+# only where the interpreter lacks the real one (orjson is there beside some of loorl's dependencies)
+STAND_INS = ("ray", "tensordict", "codetiming", "orjson")
 
 
 class _StandIn(types.ModuleType):
@@ -46,10 +49,18 @@ class _StandIn(types.ModuleType):
 
 
 class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def __init__(self):
+        self.standing_in: set[str] = set()  # the top-level names this finder answers for
+
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in STAND_INS:
-            return importlib.machinery.ModuleSpec(name, self, is_package=True)
-        return None
+        top = name.split(".")[0]
+        if top not in STAND_INS:
+            return None
+        if top not in self.standing_in:
+            if name != top or importlib.machinery.PathFinder.find_spec(top) is not None:
+                return None  # the real module is installed: it is imported as usual
+            self.standing_in.add(top)
+        return importlib.machinery.ModuleSpec(name, self, is_package=True)
 
     def create_module(self, spec):
         return _StandIn(spec.name)
@@ -83,7 +94,8 @@ def _loaded_from(root: Path, package: str) -> Iterator[None]:
     finally:
         sys.meta_path.remove(finder)
         sys.path.remove(str(root))
-        for name in [name for name in sys.modules if name.split(".")[0] in (package, *STAND_INS)]:
+        stood_in = [name for name, module in sys.modules.items() if isinstance(module, _StandIn)]
+        for name in [name for name in sys.modules if name.split(".")[0] == package] + stood_in:
             del sys.modules[name]
         os.environ.clear()
         os.environ.update(environ)

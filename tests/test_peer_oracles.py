@@ -10,6 +10,9 @@ gives 0 (every group here has 2 or more), and whitens over tokens where loorl wh
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -284,11 +287,25 @@ def test_top_entropy_mask_matches_trl(trl):
     assert differ == 0
 
 
-def test_the_stand_ins_leave_no_trace(verl):
-    """While verl is loaded its imports of Ray and the rest get stand-ins; loorl never imports them."""
-    import sys
-
-    assert all(
-        sys.modules[name].__class__.__name__ == "_StandIn" for name in STAND_INS if name in sys.modules
-    )
+def test_the_stand_ins_leave_no_trace(verl, model_cache):
+    """While verl is loaded its imports of Ray and tensordict get stand-ins (loorl installs neither);
+    once the oracle is closed, in a fresh interpreter, no verl module, no stand-in and none of verl's
+    changes to the environment are left."""
+    stood_in = [name for name in STAND_INS if type(sys.modules.get(name)).__name__ == "_StandIn"]
+    assert "ray" in stood_in and "tensordict" in stood_in
     assert verl.core_algos.__file__.endswith("verl/trainer/ppo/core_algos.py")
+    script = f"""
+import os, sys
+sys.path[:0] = [{str(Path(__file__).parent)!r}]
+from pathlib import Path
+from peers import verl_core_algos
+before = dict(os.environ)
+with verl_core_algos(Path({str(wheel_dir(str(model_cache)))!r})) as peer:
+    assert peer.core_algos.compute_rloo_outcome_advantage
+left = [name for name in sys.modules if name.split(".")[0] in ("verl", "ray", "tensordict", "codetiming")]
+assert not left, left
+assert dict(os.environ) == before
+print("clean")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.stdout.strip().endswith("clean"), done.stderr[-2000:]
