@@ -641,6 +641,19 @@ def sweep_params(tmp_path: Path, ablation: str) -> dict:
     return {k: str(v).split(",") for k, v in cfg.hydra.sweeper.params.items()}
 
 
+def test_ablation_losses_sweeps_every_registered_loss_off_policy(default_cfg, tmp_path):
+    """`ablation=losses`: every registered per-token loss but auto (= reinforce or clipped) and reinforce
+    (= gpg), each composing and passing the config check with the ablation's settings."""
+    from loorl.algo.objectives import loss_names
+
+    arms = sweep_params(tmp_path, "losses")["loss.name"]
+    assert sorted(arms) == sorted(set(loss_names()) - {"auto", "reinforce"})
+    for arm in arms:
+        cfg = default_cfg("ablation=losses", f"loss.name={arm}")
+        check_config(cfg)
+        assert cfg.rl.prompts_per_minibatch == 8 and cfg.loss.agg == "seq-mean-token-mean"
+
+
 def test_ablation_estimators_sweeps_every_registered_estimator_on_the_offset_task(default_cfg, tmp_path):
     assert sorted(sweep_params(tmp_path, "estimators")["estimator"]) == estimators.names()
     cfg = default_cfg("ablation=estimators")
