@@ -139,11 +139,12 @@ def settings_for(name: str, seed: int) -> LossSettings:
     )  # fmt: skip
 
 
-def verl_config(verl, s: LossSettings, n_tokens: float, n_seqs: int):
+def verl_config(verl, s: LossSettings, n_tokens: float, n_seqs: int, *, dual_clip: float | None = None):
+    """verl's ActorConfig for loorl's settings `s`; `vanilla` gets no dual clip (1e9) unless `dual_clip`."""
+    ratio_c = s.dppo_ratio_cap if s.name.startswith("dppo") else 1e9 if dual_clip is None else dual_clip
     config = verl.ActorConfig(
         strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1,
-        clip_ratio=s.clip_low, clip_ratio_low=s.clip_low, clip_ratio_high=s.clip_high,
-        clip_ratio_c=s.dppo_ratio_cap if s.name.startswith("dppo") else 1e9,  # 1e9: no dual clip for vanilla
+        clip_ratio=s.clip_low, clip_ratio_low=s.clip_low, clip_ratio_high=s.clip_high, clip_ratio_c=ratio_c,
         tau_pos=s.sapo_tau_pos, tau_neg=s.sapo_tau_neg,
         policy_loss=verl.PolicyLossConfig(
             loss_mode=s.name, clip_cov_ratio=s.cov_share, clip_cov_lb=s.clip_cov_low,
@@ -177,9 +178,9 @@ def loorl_loss(name, s, logp, old, adv, mask):
     return loss.detach(), torch.zeros_like(logp) if grad is None else grad, stats.clipped
 
 
-def verl_loss(verl, name, s, logp, old, adv, mask):
+def verl_loss(verl, name, s, logp, old, adv, mask, *, dual_clip=None):
     logp = logp.clone().requires_grad_(True)
-    config = verl_config(verl, s, max(float(mask.sum()), 1.0), len(adv))
+    config = verl_config(verl, s, max(float(mask.sum()), 1.0), len(adv), dual_clip=dual_clip)
     fn = verl.core_algos.get_policy_loss_fn(LOSSES[name])
     loss, _ = fn(old, logp, adv[:, None].expand_as(logp), mask, loss_agg_mode=s.agg, config=config)
     (grad,) = torch.autograd.grad(loss, logp, allow_unused=True)
@@ -215,22 +216,13 @@ def test_the_plug_in_example_loss_is_verls_dual_clip_ppo(verl):
     worst_value = worst_grad = 0.0
     for seed in range(CASES):
         logp, old, adv, mask = random_tokens(seed)
-        logp = logp + 1.5 * (seed % 2)  # half the cases: ratios up to e^1.5 and more, beyond the dual clip
+        # half the cases: ratios up to e^1.5 and more, beyond the dual clip
+        logp = (logp + 1.5 * (seed % 2)).clamp(max=-1e-3)
         s = settings_for("clipped", seed)
         ours = LossSettings(**{**s.__dict__, "target": "plugins.research.dual_clip_token_loss"})
-        value, grad, _ = loorl_loss("clipped", ours, logp.clamp(max=-1e-3), old, adv, mask)
-        config = verl.ActorConfig(
-            strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, clip_ratio=s.clip_low,
-            clip_ratio_low=s.clip_low, clip_ratio_high=s.clip_high, clip_ratio_c=DUAL_CLIP,
-        )  # fmt: skip
-        config.global_batch_info.update(dp_size=1, batch_num_tokens=max(float(mask.sum()), 1.0),
-                                        global_batch_size=len(adv), loss_scale_factor=s.max_len)  # fmt: skip
-        leaf = logp.clamp(max=-1e-3).clone().requires_grad_(True)
-        theirs, _ = verl.core_algos.compute_policy_loss_vanilla(
-            old, leaf, adv[:, None].expand_as(leaf), mask, loss_agg_mode=s.agg, config=config
-        )
-        (their_grad,) = torch.autograd.grad(theirs, leaf)
-        worst_value = max(worst_value, largest(value, theirs.detach()))
+        value, grad, _ = loorl_loss("clipped", ours, logp, old, adv, mask)
+        theirs, their_grad = verl_loss(verl, "clipped", s, logp, old, adv, mask, dual_clip=DUAL_CLIP)
+        worst_value = max(worst_value, largest(value, theirs))
         worst_grad = max(worst_grad, largest(grad * mask, their_grad * mask))
     print(f"plug-in dual_clip_token_loss (verl vanilla, clip_ratio_c={DUAL_CLIP}): {CASES} cases, largest "
           f"difference {worst_value:.1e} (value), {worst_grad:.1e} (gradient)")  # fmt: skip

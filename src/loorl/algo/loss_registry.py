@@ -2,9 +2,9 @@
 
 A per-token loss is `fn(logprobs [n, C], batch: RolloutBatch, settings: LossParams)`; it is chosen by
 `loss.name` (registered here with `register_loss`) or `loss._target_` (a dotted path). The built-in
-losses register themselves in `loorl.algo.objectives` (reinforce, clipped, auto, gpg) and
-`loorl.algo.policy_losses` (the field's newer ones); import the registry's names from
-`loorl.algo.objectives`, which loads both.
+losses register themselves in `loorl.algo.objectives` (reinforce, auto, gpg) and
+`loorl.algo.policy_losses` (clipped, and the field's newer ones); import the
+registry's names from `loorl.algo.objectives`, which loads both.
 """
 
 from __future__ import annotations
@@ -55,9 +55,7 @@ class LossParams(Protocol):
     @property
     def off_policy_mask_threshold(self) -> float | None: ...  # DeepSeek-V3.2's sequence mask; None: off
     @property
-    def top_entropy_quantile(
-        self,
-    ) -> float: ...  # the share of tokens, by entropy, that keep their policy term
+    def top_entropy_quantile(self) -> float: ...  # the tokens' share, by entropy, that keeps its policy term
     # the field's newer losses (loorl.algo.policy_losses) read these; the others ignore them
     @property
     def dppo_ratio_cap(self) -> float: ...  # DPPO: the cap on its stop-gradient weight pi/pi_old

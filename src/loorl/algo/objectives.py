@@ -1,6 +1,6 @@
-"""The policy objective: the per-token policy-gradient losses REINFORCE and PPO's clipped surrogate,
-their aggregation, and the loss of one micro-batch with its statistics. The registry of losses is
-`loorl.algo.loss_registry` (its names are importable from here), the field's newer losses are
+"""The policy objective: the registered losses reinforce, auto and gpg, their aggregation, and the
+loss of one micro-batch with its statistics. The registry of losses is `loorl.algo.loss_registry` (its
+names are importable from here), PPO's clipped surrogate (`clipped`) and the field's newer losses are
 `loorl.algo.policy_losses`, and the KL term's estimators live in `loorl.algo.kl`.
 
 Shapes: N sequences, T completion positions (right-padded), V vocabulary entries.
@@ -15,9 +15,8 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from loorl.algo import policy_losses as _newer_losses  # noqa: F401  (registers the field's newer losses)
 from loorl.algo.entropy import top_entropy_mask
-from loorl.algo.kl import MAX_LOG_RATIO, kl_per_token
+from loorl.algo.kl import kl_per_token
 from loorl.algo.loss_registry import (  # noqa: F401  (the registry's names, re-exported)
     AGGREGATIONS,
     IS_MODES,
@@ -32,6 +31,10 @@ from loorl.algo.loss_registry import (  # noqa: F401  (the registry's names, re-
     token_loss_of,
 )
 from loorl.algo.masked import masked_mean
+from loorl.algo.policy_losses import (  # noqa: F401  (and registers the clipped and newer losses)
+    clipped_loss,
+    clipped_surrogate_token_loss,
+)
 from loorl.errors import ConfigError
 from loorl.parallel.distributed import all_reduce
 from loorl.types import RolloutBatch
@@ -45,40 +48,6 @@ def reinforce_token_loss(logprobs: torch.Tensor, advantages: torch.Tensor) -> to
     """
     adv = advantages.detach().to(logprobs.dtype).unsqueeze(-1)  # [N, 1]
     return -adv * logprobs  # [N, T]
-
-
-def clipped_surrogate_token_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    ratio_level: str = "token",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO clipped surrogate per token: max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)).
-
-    For several optimizer steps on one rollout, where the policy drifts from the sampler.
-    ratio_level="token": ratio = pi/pi_old per token. "sequence" (GSPO): one ratio per sequence,
-    exp of the masked mean token log-ratio, shared by its tokens (the length-normalised sequence
-    likelihood ratio, which does not blow up with length). Returns the loss [N, T] and a bool
-    [N, T] marking real tokens whose clipped branch was active (for the clip fraction).
-    """
-    valid = mask.bool()  # [N, T]
-    log_ratio = torch.where(valid, logprobs - old_logprobs.detach(), 0.0)  # [N, T]
-    if ratio_level not in RATIO_LEVELS:  # a typo must not silently train with per-token ratios
-        raise ConfigError(f"loss.ratio_level={ratio_level!r} is not one of: {', '.join(RATIO_LEVELS)}")
-    if ratio_level == "sequence":
-        seq_log_ratio = masked_mean(log_ratio, valid, -1, keepdim=True)  # [N, 1]
-        log_ratio = seq_log_ratio.expand_as(logprobs)  # [N, T]
-    ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()  # [N, T]
-    adv = advantages.detach().to(logprobs.dtype).unsqueeze(-1)  # [N, 1]
-    unclipped = -adv * ratio  # [N, T]
-    clipped_loss = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [N, T]
-    loss = torch.maximum(unclipped, clipped_loss)  # [N, T]
-    clipped = (clipped_loss > unclipped) & valid  # [N, T]
-    return loss, clipped
 
 
 def sampler_ratio_mask(
@@ -130,23 +99,6 @@ def off_policy_sequence_mask(
 def reinforce_loss(logprobs: torch.Tensor, batch: RolloutBatch, settings: LossParams) -> torch.Tensor:
     """-A * log pi [n, C], whatever the old log-probs: the on-policy REINFORCE loss."""
     return reinforce_token_loss(logprobs, batch.advantages)
-
-
-@register_loss("clipped")
-def clipped_loss(
-    logprobs: torch.Tensor, batch: RolloutBatch, settings: LossParams
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's clipped surrogate (GSPO's with `loss.ratio_level=sequence`); on-policy the ratio is 1."""
-    old = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs  # [n, C]
-    return clipped_surrogate_token_loss(
-        logprobs,
-        old,
-        batch.advantages,
-        batch.completion_mask,
-        clip_low=settings.clip_low,
-        clip_high=settings.clip_high,
-        ratio_level=settings.ratio_level,
-    )  # [n, C], [n, C]
 
 
 @register_loss("auto")

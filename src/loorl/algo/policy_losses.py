@@ -1,5 +1,6 @@
-"""The field's newer per-token policy losses, each registered under the name verl 0.9.1 gives it
-(`verl/trainer/ppo/core_algos.py`; tests/test_peer_oracles.py feeds both the same inputs).
+"""PPO's clipped surrogate per token (`loss.name=clipped` in `loorl.algo.objectives`, and Clip-Cov's
+base) and the field's newer per-token policy losses, each registered under the name verl 0.9.1 gives
+it (`verl/trainer/ppo/core_algos.py`; tests/test_peer_oracles.py feeds both the same inputs).
 
 Every loss here has the registry's signature `fn(logprobs [n, C], batch, settings) -> (loss [n, C],
 clipped [n, C])`: `clipped` marks the real tokens whose loss a clip, mask or penalty changed
@@ -14,9 +15,61 @@ from __future__ import annotations
 import torch
 
 from loorl.algo.kl import MAX_LOG_RATIO
-from loorl.algo.loss_registry import LossParams, register_loss
+from loorl.algo.loss_registry import RATIO_LEVELS, LossParams, register_loss
 from loorl.algo.masked import masked_mean
+from loorl.errors import ConfigError
 from loorl.types import RolloutBatch
+
+
+def clipped_surrogate_token_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    ratio_level: str = "token",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO clipped surrogate per token: max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)).
+
+    For several optimizer steps on one rollout, where the policy drifts from the sampler.
+    ratio_level="token": ratio = pi/pi_old per token. "sequence" (GSPO): one ratio per sequence,
+    exp of the masked mean token log-ratio, shared by its tokens (the length-normalised sequence
+    likelihood ratio, which does not blow up with length). Returns the loss [N, T] and a bool
+    [N, T] marking real tokens whose clipped branch was active (for the clip fraction).
+    """
+    valid = mask.bool()  # [N, T]
+    log_ratio = torch.where(valid, logprobs - old_logprobs.detach(), 0.0)  # [N, T]
+    if ratio_level not in RATIO_LEVELS:  # a typo must not silently train with per-token ratios
+        raise ConfigError(f"loss.ratio_level={ratio_level!r} is not one of: {', '.join(RATIO_LEVELS)}")
+    if ratio_level == "sequence":
+        seq_log_ratio = masked_mean(log_ratio, valid, -1, keepdim=True)  # [N, 1]
+        log_ratio = seq_log_ratio.expand_as(logprobs)  # [N, T]
+    ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()  # [N, T]
+    adv = advantages.detach().to(logprobs.dtype).unsqueeze(-1)  # [N, 1]
+    unclipped = -adv * ratio  # [N, T]
+    clipped_loss = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [N, T]
+    loss = torch.maximum(unclipped, clipped_loss)  # [N, T]
+    clipped = (clipped_loss > unclipped) & valid  # [N, T]
+    return loss, clipped
+
+
+@register_loss("clipped")
+def clipped_loss(
+    logprobs: torch.Tensor, batch: RolloutBatch, settings: LossParams
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped surrogate (GSPO's with `loss.ratio_level=sequence`); on-policy the ratio is 1."""
+    old = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs  # [n, C]
+    return clipped_surrogate_token_loss(
+        logprobs,
+        old,
+        batch.advantages,
+        batch.completion_mask,
+        clip_low=settings.clip_low,
+        clip_high=settings.clip_high,
+        ratio_level=settings.ratio_level,
+    )  # [n, C], [n, C]
 
 
 def _token_terms(logprobs: torch.Tensor, batch: RolloutBatch):
@@ -136,11 +189,8 @@ def clip_cov_loss(logprobs: torch.Tensor, batch: RolloutBatch, settings: LossPar
 
     The draw uses torch's global generator (seeded by the run's seed), in verl's order, so a seeded
     run repeats it."""
-    valid, logp, _, log_ratio, adv = _token_terms(logprobs, batch)
-    ratio = _ratio(log_ratio)  # [n, C]
-    unclipped = -adv * ratio  # [n, C]
-    clipped = -adv * ratio.clamp(1.0 - settings.clip_low, 1.0 + settings.clip_high)  # [n, C]
-    by_clip = valid & (clipped > unclipped)  # [n, C] PPO's clip already holds these
+    valid, logp, _, _, adv = _token_terms(logprobs, batch)
+    ppo, by_clip = clipped_loss(logprobs, batch, settings)  # [n, C] each; PPO's clip holds the by_clip ones
     cov = _covariance(logp, adv, valid)  # [n, C]
     candidates = valid & ~by_clip & (cov > settings.clip_cov_low) & (cov < settings.clip_cov_high)  # [n, C]
     where = candidates.nonzero()  # [m, 2] in row-major order, as verl draws from
@@ -148,7 +198,7 @@ def clip_cov_loss(logprobs: torch.Tensor, batch: RolloutBatch, settings: LossPar
     chosen = where[torch.randperm(len(where)).to(where.device)[:count]]  # [<=count, 2]
     cut = torch.zeros_like(valid)  # [n, C]
     cut[chosen[:, 0], chosen[:, 1]] = True
-    loss = torch.where(cut, 0.0, torch.maximum(unclipped, clipped))  # [n, C]
+    loss = torch.where(cut, 0.0, ppo)  # [n, C]
     return loss, by_clip | cut
 
 
