@@ -146,9 +146,7 @@ class LossSettings(Section):
     entropy_coef_delta: PositiveFloat = 0.005  # the adaptive rule's step
     entropy_coef_min: NonNegativeFloat = 0.0  # the adaptive rule's bounds
     entropy_coef_max: NonNegativeFloat = 1.0
-    top_entropy_quantile: Annotated[float, Field(gt=0, le=1)] = (
-        1.0  # the share of tokens, by entropy, trained
-    )
+    top_entropy_quantile: Annotated[float, Field(gt=0, le=1)] = 1.0  # the top tokens' share trained
     # the field's newer losses (loorl.algo.policy_losses; conf/train.yaml says which reads which)
     dppo_ratio_cap: PositiveFloat = 20.0
     sapo_tau_pos: PositiveFloat = 1.0
