@@ -168,6 +168,30 @@ CASES = [
         "tools.available.abacus.end='c>'",
         ["ends like tools.available.calculator.end"],
     ),
+    # what ReMax's and GDPO's inputs rule out (loorl.estimator_inputs)
+    (
+        ["estimator=remax", "rollout.max_staleness=1"],
+        "estimator=remax",
+        ["greedy", "rollout.max_staleness=0"],
+    ),
+    (["estimator=gdpo"], "estimator=gdpo", ["has one (correct)", "reward=custom", "estimator=grpo"]),
+    (["estimator=gdpo", "reward=custom"], "reward.clip=[-1.0, 1.0]", ["reward.clip=null"]),
+    (
+        ["estimator=gdpo", "reward=custom", "reward.clip=null", "kl.coef=0.01"],
+        "kl.in_reward=true",
+        ["estimator=gdpo", "kl.in_reward=false"],
+    ),
+    (
+        [
+            "estimator=gdpo",
+            "reward=custom",
+            "reward.clip=null",
+            "tools.max_turns=1",
+            "environment._target_=plugins.environments.Counter",
+        ],  # fmt: skip
+        "estimator=gdpo",
+        ["get_reward()", "estimator=grpo"],
+    ),
 ]
 
 

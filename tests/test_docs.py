@@ -51,6 +51,16 @@ def reference_keys() -> dict[str, set[str]]:
     return sections
 
 
+def test_no_page_holds_a_control_character():
+    """A formula written through a non-raw Python string turns `\\frac` into a form feed and `\\alpha`
+    into a bell: the page then renders `rac` and `lpha` (docs/concepts/estimators.md did)."""
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    bad = [
+        str(p.relative_to(ROOT)) for p in pages if re.search(r"[\x00-\x08\x0b\x0c\x0e-\x1f]", p.read_text())
+    ]
+    assert not bad
+
+
 def test_the_config_reference_is_what_conf_says():
     """docs/reference/config.md is scripts/dev/config_reference.py's output for today's conf/."""
     assert config_reference.PAGE.read_text() == config_reference.render(), (

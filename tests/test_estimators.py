@@ -1,4 +1,6 @@
-"""Advantage estimators: hand-computed values, NaN handling, and a slow loop reference."""
+"""Advantage estimators: hand-computed values, NaN handling, and a slow loop reference. Every input
+carries what any estimator may read (lengths for OPO, a greedy baseline per group for ReMax, two reward
+parts for GDPO), so each parametrized test runs every registered estimator."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from loorl.algo.masked import masked_mean, masked_std
 NAN = float("nan")
 ALL = [
     "dr_grpo",
+    "gdpo",
     "gpg",
     "grpo",
     "grpo_passk",
@@ -21,6 +24,7 @@ ALL = [
     "reinforce",
     "reinforce_pp",
     "reinforce_pp_baseline",
+    "remax",
     "rloo",
 ]
 SEED = torch.tensor([[10.0, 5.0, 8.0, 2.0]])  # [1, 4]
@@ -31,8 +35,25 @@ def lengths_like(rewards: torch.Tensor) -> torch.Tensor:
     return (torch.arange(rewards.numel()).view(rewards.shape) * 3) % 7 + 1
 
 
+def baselines_like(rewards: torch.Tensor) -> torch.Tensor:
+    """A greedy completion's reward per group [B] for ReMax: 0, 1, 0.5, NaN (unscorable), repeating."""
+    return torch.tensor([0.0, 1.0, 0.5, NAN])[torch.arange(rewards.shape[0]) % 4].to(rewards.dtype)
+
+
+PART_WEIGHTS = torch.tensor([1.0, 0.5])  # GDPO's: the rewards, and a format reward at half weight
+
+
+def parts_like(rewards: torch.Tensor) -> torch.Tensor:
+    """GDPO's two reward parts [B, K, 2]: the rewards themselves and a 0/1 format reward from the
+    lengths' parity (its NaN where the reward's is: one unscorable part makes the sample unscorable)."""
+    fmt = (lengths_like(rewards) % 2).to(rewards.dtype)  # [B, K]
+    return torch.stack([rewards, torch.where(rewards.isnan(), NAN, fmt)], dim=-1)
+
+
 def with_lengths(rewards: torch.Tensor) -> AdvantageInput:
-    return AdvantageInput(rewards, lengths=lengths_like(rewards))
+    """`rewards` with every field an estimator may read: lengths, greedy baselines, reward parts."""
+    return AdvantageInput(rewards, lengths=lengths_like(rewards), baselines=baselines_like(rewards),
+                          parts=parts_like(rewards), part_weights=PART_WEIGHTS)  # fmt: skip
 
 
 def adv(name, rows, **kw):
@@ -134,6 +155,41 @@ def test_opo_gpg_and_passk_by_hand():
     )
 
 
+def test_remax_and_gdpo_by_hand():
+    # ReMax: greedy rewards 4 and 1: A = r - r_greedy, whatever the group's spread (a uniform group too)
+    rewards = torch.tensor([[10.0, 5.0], [1.0, 1.0]])  # [2, 2]
+    a = compute_advantages("remax", AdvantageInput(rewards, baselines=torch.tensor([4.0, 1.0])))
+    torch.testing.assert_close(a, torch.tensor([[6.0, 1.0], [0.0, 0.0]]))
+    # K=1 has a baseline; an unscorable greedy completion leaves its group without one; NaN samples 0
+    a = compute_advantages("remax", AdvantageInput(torch.tensor([[3.0], [2.0], [NAN]]),
+                                                   baselines=torch.tensor([1.0, NAN, 0.0])))  # fmt: skip
+    torch.testing.assert_close(a, torch.tensor([[2.0], [0.0], [0.0]]))
+    with pytest.raises(ValueError, match="greedy completion"):
+        compute_advantages("remax", SEED)
+    # GDPO: correctness [1, 0, 1] and format [1, 1, 0] in group 1, [0, 0, 0] and [1, 0, 1] in group 2.
+    # Each part's GRPO z-scores, mean 2/3 and std sqrt(1/3): 1/sqrt(3) for a 1, -2/sqrt(3) for the 0; a
+    # uniform part gives 0. Weighted (1, 0.5): group 1 [1.5, -1.5, 0]/sqrt(3), group 2 [0.5, -1, 0.5]/sqrt(3)
+    correct = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 0.0]])
+    fmt = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 1.0]])
+    parts = torch.stack([correct, fmt], dim=-1)  # [2, 3, 2]
+    inp = AdvantageInput(correct + 0.5 * fmt, parts=parts, part_weights=torch.tensor([1.0, 0.5]))
+    total = torch.tensor([[1.5, -1.5, 0.0], [0.5, -1.0, 0.5]])  # times 1/sqrt(3), which whitening drops
+    expected = (total - total.mean()) / total.std()
+    a = compute_advantages("gdpo", inp, eps=0.0)
+    torch.testing.assert_close(a, expected)
+    # GRPO on the sum rescales group 2's half-weight format reward alone ([0.5, 0, 0.5]: z up to 2/sqrt(3))
+    # above group 1's correctness ([1.5, 0.5, 1]: z up to 1); GDPO keeps the format reward at its weight
+    summed = compute_advantages("grpo", inp.rewards, eps=0.0).abs().amax(-1)  # [2]
+    assert summed[1] > summed[0] and a[1].abs().max() < a[0].abs().max()
+    # an unscorable part makes the sample unscorable in every part's statistics
+    holed = parts.clone()
+    holed[0, 2, 1] = NAN
+    a = compute_advantages("gdpo", AdvantageInput(inp.rewards, parts=holed), eps=0.0)
+    assert a[0, 2] == 0 and a[0, 0] > 0 > a[0, 1]  # group 1 is now [1, 0] and [1, 1]: the format gives 0
+    with pytest.raises(ValueError, match="AdvantageInput.parts"):
+        compute_advantages("gdpo", SEED)
+
+
 @pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize("whiten", [False, True])
 def test_unscorable_groups_get_zeros(name, whiten):
@@ -142,7 +198,7 @@ def test_unscorable_groups_get_zeros(name, whiten):
     assert torch.isfinite(a).all()
     assert (a[0] == 0).all()  # all-NaN group
     assert (a[1, [0, 2]] == 0).all()  # unscorable samples are exactly 0
-    if name not in ("reinforce", "reinforce_pp"):  # those have no group baseline
+    if name not in ("reinforce", "reinforce_pp", "remax"):  # those have no group baseline
         assert a[1, 1] == 0  # a group with one scorable sample has no baseline
     assert (a[2] != 0).any()
 
@@ -217,6 +273,7 @@ def _whiten(values, eps):
 def reference(name, rewards, *, whiten, eps):
     """Plain-loop advantages; None marks an unscorable sample until the end (then 0)."""
     rows, lengths = rewards.tolist(), lengths_like(rewards).tolist()
+    greedy, parts = baselines_like(rewards).tolist(), parts_like(rewards).tolist()  # [B], [B][K][2]
     out = [[None] * len(row) for row in rows]
     too_small = [[False] * len(row) for row in rows]
     scorable_all = [v for row in rows for v in row if not math.isnan(v)]
@@ -247,6 +304,17 @@ def reference(name, rewards, *, whiten, eps):
                 weight = sum(lengths[b][j] for j in scorable)
                 out[b][k] = row[k] - sum(lengths[b][j] * row[j] for j in scorable) / weight
                 too_small[b][k] = len(vals) < 2
+            elif name == "remax":
+                too_small[b][k] = math.isnan(greedy[b])
+                out[b][k] = 0.0 if too_small[b][k] else row[k] - greedy[b]
+            elif name == "gdpo":  # each part's GRPO over the group's scorable samples, then the weights
+                too_small[b][k] = len(vals) < 2
+                out[b][k] = 0.0
+                for d, weight in enumerate(PART_WEIGHTS.tolist()):
+                    column = [parts[b][j][d] for j in scorable]
+                    if not too_small[b][k]:
+                        z = (parts[b][k][d] - _mean(column)) / (_std(column) + eps)
+                        out[b][k] += weight * z
             elif name == "grpo_passk":
                 too_small[b][k] = len(vals) < 2
                 out[b][k] = (
@@ -254,7 +322,7 @@ def reference(name, rewards, *, whiten, eps):
                 )
     # samples without a group baseline (a lone scorable sample) stay out of every whitening
     out = [[None if small else v for v, small in zip(row, smalls)] for row, smalls in zip(out, too_small)]
-    if name in ("reinforce_pp", "reinforce_pp_baseline"):
+    if name in ("reinforce_pp", "reinforce_pp_baseline", "gdpo"):
         _whiten(out, eps)
     if whiten:
         _whiten(out, eps)
@@ -302,10 +370,16 @@ def test_masked_mean_and_std_match_torch_on_the_kept_entries():
 def test_registry_names_and_sizes():
     assert estimators.names() == ALL
     # K=1 would give all-zero advantages
-    baselines = ("rloo", "grpo", "dr_grpo", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk")
+    baselines = ("rloo", "grpo", "dr_grpo", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk", "gdpo")
     assert all(estimators.min_group_size(n) == 2 for n in baselines)
     assert all(estimators.min_group_size(n) == 1 for n in ALL if n not in baselines)
     assert estimators.get("rloo") is estimators.rloo
+    # what each reads beyond the rewards and lengths, which the rollout then draws or keeps
+    needs = {n: estimators.needs(estimators.get(n)) for n in ALL}
+    assert needs == {n: {"remax": ("baselines",), "gdpo": ("parts",)}.get(n, ()) for n in ALL}
+    assert estimators.needs(lambda inp, **kw: inp.rewards) == ()  # a plug-in that does not say
+    with pytest.raises(ValueError, match="needs \\['teacher'\\]"):
+        estimators.register("x", needs=("teacher",))
 
 
 def test_unknown_estimator_message():
@@ -313,7 +387,8 @@ def test_unknown_estimator_message():
         estimators.get("x")
     assert err.value.args[0] == (
         "unknown estimator 'x'; choose one of: "
-        "dr_grpo, gpg, grpo, grpo_passk, opo, reinforce, reinforce_pp, reinforce_pp_baseline, rloo"
+        "dr_grpo, gdpo, gpg, grpo, grpo_passk, opo, reinforce, reinforce_pp, reinforce_pp_baseline, "
+        "remax, rloo"
     )
     with pytest.raises(KeyError, match="unknown estimator 'y'"):
         compute_advantages("y", SEED)

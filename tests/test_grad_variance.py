@@ -53,6 +53,10 @@ def test_bootstrap_interval_brackets_the_estimate_and_narrows_with_more_repeats(
 
 
 # ---- the probe on a real policy ------------------------------------------------------------------
+# the registered estimators that read only the rewards and lengths (not ReMax's baselines, GDPO's parts)
+READ_REWARDS_ONLY = {n for n in estimators.names() if not estimators.needs(estimators.get(n))}
+
+
 def test_the_probe_hands_every_estimator_the_trainers_input_and_takes_a_plug_in():
     from loorl.algo.estimators import AdvantageInput, compute_advantages
     from loorl.research.probe import advantage_fns
@@ -60,7 +64,9 @@ def test_the_probe_hands_every_estimator_the_trainers_input_and_takes_a_plug_in(
 
     plug_in = EstimatorSettings(target="plugins.research.length_normalised_rloo")
     fns = advantage_fns(plug_in)
-    assert set(fns) == {*estimators.names(), "length_normalised_rloo", "batch_mean"}  # every registered one
+    assert set(fns) == {*READ_REWARDS_ONLY, "length_normalised_rloo", "batch_mean"}  # every registered one
+    # whose inputs an RLOO run holds; a ReMax run draws greedy baselines, and ReMax is probed too
+    assert "remax" in advantage_fns(EstimatorSettings(name="remax")) and "gdpo" not in fns
     rewards, lengths = (
         torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0]),
         torch.tensor([2.0, 4.0, 1.0, 3.0, 5.0, 2.0]),
@@ -88,7 +94,7 @@ def test_probe_shift_invariance_on_the_quick_model(model_cache, tmp_path):
     assert json.loads((tmp_path / "results.json").read_text()) == results
     value = {(r["estimator"], r["shift"]): r["relative_variance"] for r in results["rows"]}
     names = {r["estimator"] for r in results["rows"]}
-    assert names == {*estimators.names(), "length_normalised_rloo", "batch_mean"}
+    assert names == {*READ_REWARDS_ONLY, "length_normalised_rloo", "batch_mean"}
     # (r + c) / L is not r / L + const; GPG's alpha counts the non-zero rewards, which a shift changes
     for name in names - {"reinforce", "length_normalised_rloo", "gpg"}:
         assert value[(name, 1.0)] == pytest.approx(value[(name, 0.0)], rel=1e-3), name

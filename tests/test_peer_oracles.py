@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -102,6 +103,52 @@ def test_estimators_match_verl(verl, name):
         theirs = verl_estimator(verl, name, *verl_view)  # [N]
         worst = max(worst, largest(ours[inp.mask], theirs))
     print(f"estimator {name}: {CASES} cases, largest difference {worst:.1e}")
+    assert worst <= TOLERANCE
+
+
+def test_remax_matches_verl(verl):
+    """verl's ReMax takes the greedy completion's reward per sample (`reward_baselines` [N]): here each
+    sample's group's, as loorl's rollout repeats it over the group's rows."""
+    worst = 0.0
+    for seed in range(CASES):
+        inp, (token_rewards, response_mask, index) = random_groups(seed, one_token=False)
+        g = torch.Generator().manual_seed(500 + seed)
+        baselines = torch.randn(len(inp.rewards), generator=g, dtype=torch.float64)  # [B]
+        ours = compute_advantages("remax", replace(inp, baselines=baselines))  # [B, K]
+        theirs, _ = verl.core_algos.compute_remax_outcome_advantage(
+            token_level_rewards=token_rewards, reward_baselines=baselines[index], response_mask=response_mask
+        )  # [N, T]
+        worst = max(worst, largest(ours[inp.mask], theirs[:, 0]))
+    print(f"estimator remax: {CASES} cases, largest difference {worst:.1e}")
+    assert worst <= TOLERANCE
+
+
+def test_gdpo_matches_verl(verl):
+    """verl's GDPO reads each part from `non_tensor_batch` under `gdpo_reward_keys`, with
+    `gdpo_reward_weights`; it whitens over tokens (one-token completions here). eps 1e-12 on both sides:
+    verl's whitening adds its own 1e-8 inside the square root, loorl's its eps to the std."""
+    worst = 0.0
+    for seed in range(CASES):
+        inp, (token_rewards, response_mask, index) = random_groups(seed, one_token=True)
+        g = torch.Generator().manual_seed(700 + seed)
+        d = int(torch.randint(2, 4, (), generator=g))
+        parts = torch.randint(0, 2, (*inp.rewards.shape, d), generator=g).double()  # [B, K, D] 0/1 rewards
+        parts[..., 0] = inp.rewards  # the first part: the case's own rewards (real-valued in half the cases)
+        weights = torch.rand(d, generator=g, dtype=torch.float64) * 2  # [D]
+        combined = (parts * weights).sum(-1)  # [B, K]
+        ours = compute_advantages("gdpo", replace(inp, rewards=combined, parts=parts, part_weights=weights),
+                                  eps=1e-12)  # fmt: skip
+        keys = [f"part{i}" for i in range(d)]
+        n = len(index)
+        theirs, _ = verl.core_algos.compute_gdpo_outcome_advantage(
+            token_level_rewards=token_rewards, response_mask=response_mask, index=index, epsilon=1e-12,
+            config={"gdpo_reward_keys": keys, "gdpo_reward_weights": weights.tolist()},
+            non_tensor_batch={key: parts[..., i][inp.mask].numpy() for i, key in enumerate(keys)},
+            batch={"prompts": torch.zeros(n, 2, dtype=torch.long),
+                   "attention_mask": torch.ones(n, 3, dtype=torch.long)},
+        )  # fmt: skip
+        worst = max(worst, largest(ours[inp.mask], theirs[:, 0]))
+    print(f"estimator gdpo: {CASES} cases, largest difference {worst:.1e}")
     assert worst <= TOLERANCE
 
 

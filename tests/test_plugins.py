@@ -102,9 +102,15 @@ def test_a_missing_sample_counts_as_an_unscorable_one(name):
     mask[0, 3] = mask[2, 1] = mask[2, 2] = False  # groups of 3, 2 and 4 samples
     with_nan = torch.where(mask, rewards, torch.nan)
     lengths = torch.arange(20).view(5, 4) % 3 + 1  # [B, K] OPO weighs its baseline by length
+    extra = {"baselines": torch.rand(5, generator=g),  # [B] ReMax's greedy rewards
+             "parts": torch.stack([rewards, (lengths % 2).float()], dim=-1)}  # [B, K, 2] GDPO's  # fmt: skip
+    nan_parts = torch.where(mask.unsqueeze(-1), extra["parts"], torch.nan)  # [B, K, 2]
     for whiten in (False, True):
-        masked = estimators.get(name)(AdvantageInput(rewards, lengths=lengths, mask=mask), whiten=whiten)
-        nan = estimators.get(name)(AdvantageInput(with_nan, lengths=lengths), whiten=whiten)
+        masked = estimators.get(name)(
+            AdvantageInput(rewards, lengths=lengths, mask=mask, **extra), whiten=whiten
+        )
+        nan = estimators.get(name)(AdvantageInput(with_nan, lengths=lengths, **{**extra, "parts": nan_parts}),
+                                   whiten=whiten)  # fmt: skip
         torch.testing.assert_close(masked, nan)
         assert (masked[~mask] == 0).all()
 

@@ -88,13 +88,21 @@ def test_same_seed_same_metrics(quick_cfg, tmp_path):
     assert not math.isnan(c["reward_last"])
 
 
+# what an estimator needs of the run beyond the default (GDPO: two reward functions, their sum unclipped)
+ESTIMATOR_NEEDS = {"gdpo": ("reward=custom", "reward.clip=null")}
+
+
 @pytest.mark.parametrize("name", estimators.names())
 def test_every_estimator_trains(quick_cfg, tmp_path, name):
-    summary = train(quick_cfg(f"estimator={name}", "rl.steps=2", "val_every=5", "checkpoint_every=0"))
+    cfg = quick_cfg(f"estimator={name}", *ESTIMATOR_NEEDS.get(name, ()), "rl.steps=2", "val_every=5",
+                    "checkpoint_every=0")  # fmt: skip
+    summary = train(cfg)
     history = _history(tmp_path / "run")
     losses = [v for _, v in history["train/loss"]]
     assert len(losses) == 2 and all(math.isfinite(v) for v in losses)
     assert summary["optimizer_steps"] == 2
+    greedy = [v for _, v in history.get("rollout/greedy_samples", [])]  # ReMax's baselines, counted
+    assert greedy == ([float(cfg.rl.prompts_per_step)] * 2 if name == "remax" else [])
 
 
 def test_kl_in_reward_loads_reference_and_logs_kl(quick_cfg, tmp_path):

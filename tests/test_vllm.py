@@ -220,3 +220,26 @@ def test_vllm_stops_on_a_multi_token_tag_as_the_hf_engine_does(setup):
         )
     assert transcripts[0] == transcripts[1]
     assert sum(0 in mask for _, mask in transcripts[0]) >= 8  # results were inserted
+
+
+# ---- ReMax's greedy baseline -------------------------------------------------------------------------
+def test_vllm_draws_the_samples_and_a_greedy_completion_in_one_call(setup):
+    """`generate_with_greedy`: one `LLM.generate` call whose sampled requests are `generate`'s for the
+    seed (each request has its own seed) and whose greedy ones are `generate(greedy=True)`'s."""
+    cfg, task, tok, module, dm = setup
+    engine = dm.engine
+    engine.sync(module.policy, version=0)
+    prompts = _ids(tok, task.eval_prompts()[:6])
+    calls = []
+    real = engine.llm.generate
+    engine.llm.generate = lambda *a, **k: calls.append(len(a[0])) or real(*a, **k)  # counts, then runs
+    try:
+        groups, greedy = engine.generate_with_greedy(prompts, n=3, seed=11)
+    finally:
+        engine.llm.generate = real
+    assert calls == [12]  # 6 sampled requests and 6 greedy ones, one call
+    sampled = engine.generate(prompts, n=3, seed=11)
+    assert [[c.token_ids for c in g] for g in groups] == [[c.token_ids for c in g] for g in sampled]
+    alone = [g[0] for g in engine.generate(prompts, n=1, greedy=True)]
+    assert [c.token_ids for c in greedy] == [c.token_ids for c in alone]
+    assert len({tuple(c.token_ids) for g in groups for c in g}) > 6  # sampled, not greedy

@@ -13,6 +13,7 @@ from omegaconf.errors import InterpolationResolutionError
 from loorl import resolvers
 from loorl.algo import estimators
 from loorl.errors import ConfigError
+from loorl.estimator_inputs import check_estimator_inputs
 from loorl.models.lora import check_lora
 from loorl.models.sources import check_model_reachable, pretrained_path, tokenizer_at_hand
 from loorl.parallel.distributed import check_world_divides
@@ -159,6 +160,7 @@ def check_config(cfg: DictConfig) -> Settings:
         )
     check_optimizer(cfg.optimizer)
     check_rewards(cfg)
+    check_estimator_inputs(s)  # what ReMax's and GDPO's inputs rule out
     check_model_reachable(s.model)
     check_lora(s.model)  # peft installed; the targets from the model's config alone (meta device)
     check_parallel(cfg, s)

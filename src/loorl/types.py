@@ -101,6 +101,13 @@ class RolloutBatch:
     old_logprobs: torch.Tensor | None = None  # [N, C] when the importance ratio can differ from 1
     correct: torch.Tensor | None = None  # [N] the verifier's verdict (1, 0, NaN: none): what dynamic
     # sampling's set-aside groups were (all right, all wrong)
+    # what an estimator's `needs` asked the rollout for (`loorl.algo.estimators.NEEDS`); None otherwise:
+    reward_baselines: torch.Tensor | None = None  # [N] the reward of a greedy completion of the row's prompt
+    # (ReMax; equal within a group; NaN: unscorable); that completion is never trained on
+    reward_parts: torch.Tensor | None = None  # [N, D] each reward function's reward before the weighted
+    # sum (GDPO; NaN: unscorable), in `reward_part_names`' order
+    reward_part_names: tuple[str, ...] = ()  # the D parts: reward.functions' names (and `overlong`)
+    reward_part_weights: tuple[float, ...] = ()  # their weights in the sum
 
     @property
     def num_groups(self) -> int:

@@ -30,40 +30,88 @@ class AdvantageInput:
     lengths: torch.Tensor | None = None  # [B, K] completion tokens of each sample
     group_ids: torch.Tensor | None = None  # [B] which prompt each group answers (equal ids: one prompt)
     mask: torch.Tensor | None = None  # [B, K] bool, False where a group has no sample (uneven groups)
+    baselines: torch.Tensor | None = None  # [B] the reward of a greedy completion of each group's prompt
+    # (ReMax; NaN: unscorable); what `needs=("baselines",)` asks the rollout for
+    parts: torch.Tensor | None = None  # [B, K, D] each reward function's own reward before the weighted sum
+    # (GDPO; NaN: unscorable); what `needs=("parts",)` asks the rollout for
+    part_weights: torch.Tensor | None = None  # [D] their weights in the sum; None: all 1
 
     @classmethod
     def of(cls, value: AdvantageInput | torch.Tensor) -> AdvantageInput:
         return value if isinstance(value, AdvantageInput) else cls(rewards=value)
 
+    def groups(self, rows: slice) -> AdvantageInput:
+        """The groups `rows` alone, every per-group field cut alike (`part_weights` kept)."""
+        cut = lambda v: None if v is None else v[rows]  # noqa: E731
+        return AdvantageInput(cut(self.rewards), cut(self.lengths), cut(self.group_ids), cut(self.mask),
+                              cut(self.baselines), cut(self.parts), self.part_weights)  # fmt: skip
+
     @classmethod
-    def of_samples(cls, rewards: torch.Tensor, lengths: torch.Tensor, k: int) -> AdvantageInput:
+    def of_batch(cls, batch, rewards: torch.Tensor | None = None, lengths: torch.Tensor | None = None):
+        """What the estimator sees of a `RolloutBatch` (rewards [N] and lengths [N] given: those, e.g.
+        gathered over ranks or shaped by a KL penalty; else the batch's rewards and tokens in the loss)."""
+        weights = batch.reward_part_weights
+        return cls.of_samples(
+            batch.rewards if rewards is None else rewards,
+            batch.completion_mask.sum(-1) if lengths is None else lengths,
+            batch.samples_per_prompt,
+            baselines=batch.reward_baselines,
+            parts=batch.reward_parts,
+            part_weights=torch.tensor(weights) if weights else None,
+        )
+
+    @classmethod
+    def of_samples(
+        cls,
+        rewards: torch.Tensor,
+        lengths: torch.Tensor,
+        k: int,
+        *,
+        baselines: torch.Tensor | None = None,
+        parts: torch.Tensor | None = None,
+        part_weights: torch.Tensor | None = None,
+    ) -> AdvantageInput:
         """The input of a rollout's N = B*K samples in group order (rewards [N], lengths [N]: the
-        completion tokens in the loss), one prompt per group: what the trainer hands an estimator."""
+        completion tokens in the loss), one prompt per group: what the trainer hands an estimator.
+        `baselines` [N]: each sample's group's greedy reward (equal within a group); `parts` [N, D]."""
         return cls(
             rewards=rewards.view(-1, k),  # [B, K]
             lengths=lengths.view(-1, k),  # [B, K]
             group_ids=torch.arange(len(rewards) // k, device=rewards.device),  # [B] one prompt per group
+            baselines=None if baselines is None else baselines.view(-1, k)[:, 0],  # [B]
+            parts=None if parts is None else parts.view(-1, k, parts.shape[-1]),  # [B, K, D]
+            part_weights=part_weights,
         )
 
 
 Estimator = Callable[..., torch.Tensor]  # fn(AdvantageInput | rewards [B, K], *, whiten, eps) -> [B, K]
 
 _REGISTRY: dict[str, tuple[Estimator, int]] = {}
+# what an estimator may need beyond the rewards and lengths, each a field of `AdvantageInput` that the
+# rollout fills in only when asked (`needs`): a greedy completion per prompt, or the reward functions apart
+NEEDS = ("baselines", "parts")
 
 
 # ---- registry ----------------------------------------------------------------------------------
-def register(name: str, *, min_group_size: int = 1) -> Callable[[Estimator], Estimator]:
+def register(
+    name: str, *, min_group_size: int = 1, needs: tuple[str, ...] = ()
+) -> Callable[[Estimator], Estimator]:
     """Register `fn(inp: AdvantageInput, *, whiten=False, eps=1e-6) -> [B, K]` under `name`.
 
-    `min_group_size` is the K below which the estimator is meaningless (RLOO needs a sibling); it is
-    also set on the function, where `estimator._target_` finds it (unregistered functions: 1).
+    `min_group_size` is the K below which the estimator is meaningless (RLOO needs a sibling); `needs`
+    names the `AdvantageInput` fields of `NEEDS` it reads (ReMax: "baselines", GDPO: "parts"), which
+    the rollout then draws or keeps. Both are also set on the function, where `estimator._target_`
+    finds them (an unregistered function may set them itself; default 1 and none).
     """
+    unknown = set(needs) - set(NEEDS)
+    if unknown:
+        raise ValueError(f"estimator '{name}' needs {sorted(unknown)}: an estimator may need {list(NEEDS)}")
 
     def decorator(fn: Estimator) -> Estimator:
         if name in _REGISTRY:
             raise ValueError(f"estimator '{name}' is already registered")
         _REGISTRY[name] = (fn, min_group_size)
-        fn.min_group_size = min_group_size
+        fn.min_group_size, fn.needs = min_group_size, tuple(needs)
         return fn
 
     return decorator
@@ -86,6 +134,11 @@ def resolve(name: str, target: str | None = None) -> Estimator:
 
 def min_group_size(name: str, target: str | None = None) -> int:
     return getattr(resolve(name, target), "min_group_size", 1)
+
+
+def needs(estimator: Estimator) -> tuple[str, ...]:
+    """The fields of `NEEDS` the estimator reads (none for a function that does not say)."""
+    return tuple(getattr(estimator, "needs", ()))
 
 
 def compute_advantages(
@@ -262,4 +315,60 @@ def grpo_passk(
     is_best = torch.zeros_like(valid).scatter(-1, best[:, :1], True)  # [B, K]
     keep = _with_siblings(valid)  # [B, K]
     adv = torch.where(is_best & keep, gap / (std + eps), 0.0)  # [B, K]
+    return _finish(adv, valid, whiten=whiten, eps=eps, keep=keep)
+
+
+@register("remax", needs=("baselines",))
+def remax(inp: AdvantageInput | torch.Tensor, *, whiten: bool = False, eps: float = 1e-6) -> torch.Tensor:
+    """ReMax (Li et al. 2023): A_i = r_i - r_greedy, the reward of a greedy completion of the same prompt
+    as the baseline.
+
+    The greedy completion is drawn beside the K samples (`rollout`: one per prompt), scored by the same
+    rules and never trained on. The baseline does not depend on the samples, so one sample per prompt
+    (K=1) already has one. A group whose greedy completion is unscorable has no baseline and gets 0.
+    """
+    inp = AdvantageInput.of(inp)
+    if inp.baselines is None:
+        raise ValueError(
+            "estimator=remax subtracts the reward of a greedy completion of each prompt: pass "
+            "AdvantageInput.baselines (the rollout draws them when the estimator needs them)"
+        )
+    r, valid = _prepare(inp)  # [B, K], [B, K]
+    b = inp.baselines.detach().to(device=r.device, dtype=torch.float32).reshape(-1, 1)  # [B, 1]
+    has_baseline = torch.isfinite(b)  # [B, 1]
+    keep = valid & has_baseline  # [B, K]
+    adv = torch.where(keep, r - torch.where(has_baseline, b, 0.0), 0.0)  # [B, K]
+    return _finish(adv, valid, whiten=whiten, eps=eps, keep=keep)
+
+
+@register("gdpo", min_group_size=2, needs=("parts",))
+def gdpo(inp: AdvantageInput | torch.Tensor, *, whiten: bool = False, eps: float = 1e-6) -> torch.Tensor:
+    """GDPO (arXiv 2601.05242): each reward function's reward normalised within its group as GRPO does,
+    (r_d - mean_d) / (std_d + eps), the D results summed with the functions' weights, and the sum
+    whitened over the batch.
+
+    Summing first (GRPO) lets the reward with the widest spread drown the others: a format reward that
+    every sample earns but one moves the sum as much as a correctness reward would. A sample is
+    unscorable if any of its parts is (its weighted sum is then NaN): it is left out of every part's
+    statistics. Needs `AdvantageInput.parts`; `part_weights` default to 1.
+    """
+    inp = AdvantageInput.of(inp)
+    if inp.parts is None:
+        raise ValueError(
+            "estimator=gdpo normalises each reward function's reward on its own: pass "
+            "AdvantageInput.parts [B, K, D] (the rollout keeps them when the estimator needs them)"
+        )
+    _, valid = _prepare(inp)  # [B, K] the combined reward's scorable samples
+    parts = inp.parts.detach().to(device=valid.device, dtype=torch.float32)  # [B, K, D]
+    valid = valid & torch.isfinite(parts).all(-1)  # [B, K] unscorable in one part: in all
+    d = parts.shape[-1]
+    weights = (
+        torch.ones(d) if inp.part_weights is None else torch.as_tensor(inp.part_weights, dtype=torch.float32)
+    ).to(valid.device)  # [D]
+    total = torch.zeros_like(parts[..., 0])  # [B, K]
+    for i in range(d):  # GRPO on each part alone: its unscorable samples are the whole sample's
+        part = torch.where(valid, parts[..., i], torch.nan)  # [B, K]
+        total = total + weights[i] * grpo(AdvantageInput(part), eps=eps)  # [B, K]
+    keep = _with_siblings(valid)  # [B, K]
+    adv = masked_whiten(total, keep, eps=eps)  # [B, K]
     return _finish(adv, valid, whiten=whiten, eps=eps, keep=keep)

@@ -106,10 +106,14 @@ def batch_mean_baseline(inp: AdvantageInput) -> torch.Tensor:
 
 def advantage_fns(estimator=None) -> dict[str, Callable[[AdvantageInput], torch.Tensor]]:
     """name -> what the trainer hands an estimator (`AdvantageInput`) -> advantages [B, K]: every
-    registered estimator, the run's own plug-in (`estimator`: its `EstimatorSettings`, when
-    `_target_` names a function; shown under the function's name, `<name> (_target_)` where that is
-    a registered name) and `batch_mean`. Each with its defaults (no whitening), as the registered ones."""
-    fns = {name: estimators.get(name) for name in estimators.names()}
+    registered estimator whose inputs the probed run's rollouts hold (`estimators.needs`: ReMax's greedy
+    baselines and GDPO's reward parts only when the run's own estimator draws them), the run's own
+    plug-in (`estimator`: its `EstimatorSettings`, when `_target_` names a function; shown under the
+    function's name, `<name> (_target_)` where that is a registered name) and `batch_mean`. Each with
+    its defaults (no whitening), as the registered ones."""
+    held = set(estimators.needs(estimator.function)) if estimator is not None else set()
+    fns = {name: estimators.get(name) for name in estimators.names()
+           if set(estimators.needs(estimators.get(name))) <= held}  # fmt: skip
     if estimator is not None and estimator.target is not None:
         label = estimator.label if estimator.label not in fns else f"{estimator.label} (_target_)"
         fns[label] = estimator.function
@@ -174,9 +178,7 @@ def probe(
         seed = sampler_seed(s.run.seed, "grad_variance", r)
         rollout = datamodule.sample_and_grade(prompts, seed=seed, step=r)
         batch = rollout.batch
-        inp = AdvantageInput.of_samples(
-            batch.rewards, batch.completion_mask.sum(-1), options.samples
-        )  # [B, K]
+        inp = AdvantageInput.of_batch(batch)  # [B, K] with the greedy baselines and parts it holds
         accuracy.append(rollout.stats["rollout/accuracy"])
         for (name, shift), store in grads.items():
             advantages = fns[name](replace(inp, rewards=inp.rewards + shift)).reshape(-1)  # [B*K]

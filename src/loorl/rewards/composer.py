@@ -39,6 +39,12 @@ class Graded:
     unscorable: int  # samples whose combined reward is NaN
     parts: dict[str, torch.Tensor]  # [B, K] each function's reward (NaN = unscorable) by its name
 
+    def columns(self, cols: slice) -> Graded:
+        """The samples `cols` of every group (the K sampled ones, apart from a greedy one beside them)."""
+        rewards = self.rewards[:, cols]  # [B, k]
+        return Graded(rewards, self.correct[:, cols], int(rewards.isnan().sum()),
+                      {name: v[:, cols] for name, v in self.parts.items()})  # fmt: skip
+
 
 def verify_samples(task: Task, prompts: Sequence[Prompt], completions: Sequence[str], tool_calls=None):
     """The task's verifier once per sample (`Task.grade_many`; `tool_calls`: each sample's calls, with
@@ -83,6 +89,11 @@ class RewardComposer:
             raise ValueError("a `task` reward function needs the task")
         self.functions, self.task, self.clip = functions, task, clip
         self.warned: set[str] = set()
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """Each function's weight in the sum, by its name (the keys of `Graded.parts`)."""
+        return {wr.name: wr.weight for wr in self.functions}
 
     def __call__(self, prompts: Sequence[Prompt], texts: Sequence[Sequence[str]], tool_calls=None) -> Graded:
         """Rewards [B, K] (NaN = unscorable), correctness [B, K], the unscorable count and each

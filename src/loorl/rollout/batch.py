@@ -3,12 +3,24 @@ together)."""
 
 from __future__ import annotations
 
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 import torch
 
 from loorl.types import Completion, RolloutBatch
 from loorl.util.padding import pad
+
+
+@dataclass(frozen=True)
+class RewardParts:
+    """Each reward function's rewards apart, for an estimator that combines them itself (GDPO)."""
+
+    values: torch.Tensor  # [B, K, D] NaN: unscorable
+    names: tuple[str, ...]  # [D]
+    weights: tuple[float, ...]  # [D] their weights in the reward's sum
+
+
+PER_ROW = ("reward_parts",)  # [N, D] fields: one row per sample, not per token
 
 
 def assemble(
@@ -20,10 +32,14 @@ def assemble(
     advantages: torch.Tensor | None = None,
     loss_on_truncated: bool = True,
     correct: torch.Tensor | None = None,
+    baselines: torch.Tensor | None = None,
+    parts: RewardParts | None = None,
 ) -> RolloutBatch:
     """Pad prompts (left) and completions (right) into one tensor per field.
 
-    `loss_on_truncated=False` masks completions cut by the length limit out of the loss.
+    `loss_on_truncated=False` masks completions cut by the length limit out of the loss. `baselines`
+    [B]: each group's greedy reward (ReMax), repeated over its rows; `parts`: each reward function's
+    rewards [B, K, D] (GDPO).
     """
     k = len(completions[0])
     flat = [c for group in completions for c in group]  # row g*K + i is sample i of prompt g
@@ -48,6 +64,10 @@ def assemble(
         samples_per_prompt=k,
         prompt_len=prompts.shape[1],
         correct=None if correct is None else correct.reshape(-1).float(),
+        reward_baselines=None if baselines is None else baselines.float().repeat_interleave(k),  # [N]
+        reward_parts=None if parts is None else parts.values.reshape(-1, len(parts.names)).float(),  # [N, D]
+        reward_part_names=() if parts is None else parts.names,
+        reward_part_weights=() if parts is None else parts.weights,
     )
 
 
@@ -63,7 +83,7 @@ def concatenate(batches: list[RolloutBatch], *, pad_token_id: int) -> RolloutBat
 
     def widen(b: RolloutBatch, name: str) -> torch.Tensor | None:
         v = getattr(b, name)
-        if v is None or v.dim() == 1:  # [N] per-row fields (rewards, correct, advantages)
+        if v is None or v.dim() == 1 or name in PER_ROW:  # [N] and [N, D] per-row fields (rewards, ...)
             return v
         value = pad_token_id if name == "input_ids" else 0
         c_pad = c_len - (b.input_ids.shape[1] - b.prompt_len)
@@ -74,6 +94,9 @@ def concatenate(batches: list[RolloutBatch], *, pad_token_id: int) -> RolloutBat
     values = {}
     for f in fields(RolloutBatch):
         if f.name in ("samples_per_prompt", "prompt_len"):
+            continue
+        if not isinstance(getattr(batches[0], f.name), torch.Tensor | None):  # the parts' names and weights
+            values[f.name] = getattr(batches[0], f.name)
             continue
         parts = [widen(b, f.name) for b in batches]
         values[f.name] = None if any(v is None for v in parts) else torch.cat(parts)

@@ -75,6 +75,7 @@ class RolloutDataModule(L.LightningDataModule):
             )
         self.eval_split, self.eval_limit = eval_split, eval_limit
         self.estimator = estimator or estimators.get("rloo")
+        needs = estimators.needs(self.estimator)  # what it reads beyond the rewards (ReMax, GDPO)
         grader = Grader(
             task=task,
             tokenizer=tokenizer,
@@ -82,6 +83,7 @@ class RolloutDataModule(L.LightningDataModule):
             truncated=rollout.truncated,
             overlong=overlong or OverlongSettings(),
             completion_tokens=completion_tokens or rollout.max_new_tokens,  # the overlong penalty's limit
+            keep_parts="parts" in needs,
         )
         self.sampler = StepSampler(
             engine=engine,
@@ -90,6 +92,7 @@ class RolloutDataModule(L.LightningDataModule):
             max_prompt_length=rollout.max_prompt_length,
             seed=seed,
             trainer=self._trainer,
+            greedy_baseline="baselines" in needs,
         )
         # rollout.max_staleness > 0: the next steps' rollouts, sampled ahead
         self.ahead = SampleAhead(self.sampler, max_staleness=rollout.max_staleness, steps=rl.steps)

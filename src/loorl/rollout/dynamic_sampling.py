@@ -25,10 +25,13 @@ from loorl.settings import DynamicSamplingSettings
 from loorl.types import Rollout, RolloutBatch
 
 
-def groups_with_signal(rewards: torch.Tensor, estimator: Estimator) -> torch.Tensor:
-    """Which of the groups `rewards` [B, K] (NaN: unscorable) have a nonzero advantage under `estimator`
-    when each is the whole batch. [B] bool. One estimator call per group: B is a step's prompts."""
-    signal = [bool((estimator(AdvantageInput(rewards[g : g + 1])) != 0).any()) for g in range(len(rewards))]
+def groups_with_signal(inputs: AdvantageInput | torch.Tensor, estimator: Estimator) -> torch.Tensor:
+    """Which of the groups of `inputs` (rewards [B, K], NaN: unscorable, or the whole `AdvantageInput`:
+    lengths, greedy baselines, reward parts) have a nonzero advantage under `estimator` when each is the
+    whole batch. [B] bool. One estimator call per group: B is a step's prompts."""
+    inputs = AdvantageInput.of(inputs)
+    groups = range(len(inputs.rewards))
+    signal = [bool((estimator(inputs.groups(slice(g, g + 1))) != 0).any()) for g in groups]
     return torch.tensor(signal, dtype=torch.bool)  # [B]
 
 
@@ -80,7 +83,7 @@ def choose_groups(signal_by_round: list[torch.Tensor], quota: int) -> Choice:
 
 def round_signal(batch: RolloutBatch, estimator: Estimator) -> torch.Tensor:
     """[B] which groups of a round's batch have signal under the run's estimator."""
-    return groups_with_signal(batch.rewards.view(-1, batch.samples_per_prompt), estimator)
+    return groups_with_signal(AdvantageInput.of_batch(batch), estimator)
 
 
 def verdicts(batch: RolloutBatch) -> torch.Tensor:

@@ -6,14 +6,15 @@ beside the rollout, not given to it: the caller decides when the rollout is the 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from loorl.parallel.distributed import all_reduce
-from loorl.rewards import RewardComposer
+from loorl.rewards import Graded, RewardComposer
 from loorl.rewards.shaping import overlong_penalty
-from loorl.rollout.batch import assemble
+from loorl.rollout.batch import RewardParts, assemble
 from loorl.rollout.multi_turn import environment_rewards, tool_calls_of, tool_counts, tool_stats
 from loorl.rollout.step_stats import (
     gather_graded,
@@ -46,9 +47,11 @@ class Grader:
         truncated: str,
         overlong: OverlongSettings,
         completion_tokens: int,
+        keep_parts: bool = False,
     ) -> None:
         self.task, self.tokenizer, self.rewards = task, tokenizer, rewards
         self.truncated, self.overlong, self.completion_tokens = truncated, overlong, completion_tokens
+        self.keep_parts = keep_parts  # each reward function's rewards kept apart in the batch (GDPO)
 
     def texts(self, groups: list[list[Completion]]) -> list[list[str]]:
         """Completion texts [B][K], without the end-of-sequence token that ended them."""
@@ -62,38 +65,40 @@ class Grader:
         *,
         gen_seconds: float,
         step: int,
+        greedy: list[Completion] | None = None,
     ) -> tuple[Rollout, Outcomes]:
         """The completions [B][K] of `prompts` graded and assembled into the step's rollout, and the
-        step's outcomes for `Task.observe` (the same on every rank). Collectives: every rank calls it."""
+        step's outcomes for `Task.observe` (the same on every rank). `greedy` [B]: a greedy completion
+        of each prompt (ReMax's baseline), graded in the same pass by the same rules, its reward kept as
+        the group's `reward_baselines`, never trained on and counted (`rollout/greedy_*`). Collectives:
+        every rank calls it."""
         clock = PhaseClock()
+        k = len(groups[0])
+        graded_groups = groups if greedy is None else [g + [c] for g, c in zip(groups, greedy)]  # [B][K(+1)]
         with clock.phase("grade"):
-            graded = self.rewards(prompts, self.texts(groups), tool_calls_of(groups))  # [B, K]
-            graded = environment_rewards(graded, groups)  # [B, K] an environment's get_reward()
-        rewards = graded.rewards  # [B, K]
-        finished = torch.tensor([[c.finished for c in g] for g in groups])  # [B, K]
-        if self.truncated == "zero":
-            rewards = torch.where(finished | rewards.isnan(), rewards, torch.zeros_like(rewards))
-        sizes = torch.tensor([[len(c.token_ids) for c in g] for g in groups], dtype=torch.float)  # [B, K]
-        inserted = torch.tensor([[c.inserted for c in g] for g in groups], dtype=torch.float)  # [B, K]
-        lengths = sizes - inserted  # [B, K] the tokens each sample generated (without tool results)
-        if self.overlong.buffer:  # against the sample's limit, which counts inserted tool results too
-            penalty = overlong_penalty(sizes, max_len=self.completion_tokens, buffer=self.overlong.buffer,
-                                       penalty=self.overlong.penalty)  # fmt: skip
-            rewards = rewards + penalty  # [B, K] NaN stays NaN
+            graded = self.rewards(prompts, self.texts(graded_groups), tool_calls_of(graded_groups))
+            graded = environment_rewards(graded, graded_groups)  # [B, K(+1)] an environment's get_reward()
+        rewards, parts, penalty, lengths, finished = self._scored(graded, graded_groups)  # [B, K(+1)]
+        samples = graded.columns(slice(0, k))  # the sampled ones; column K is the greedy one
         batch = assemble(
             [g[0].prompt_ids or ids for g, ids in zip(groups, prompt_ids)],  # reset's text placed in some
             groups,
             pad_token_id=self.tokenizer.pad_token_id,
-            rewards=rewards,
+            rewards=rewards[:, :k],
             loss_on_truncated=self.truncated != "mask",
-            correct=graded.correct,
+            correct=samples.correct,
+            baselines=None if greedy is None else rewards[:, k],  # [B]
+            parts=None if parts is None else replace(parts, values=parts.values[:, :k]),  # [B, K, D]
         )
-        everyone = gather_graded(graded, lengths, finished)  # the whole step's, over all ranks
+        everyone = gather_graded(samples, lengths[:, :k], finished[:, :k])  # the whole step's, all ranks
         stats = rollout_stats(*everyone, gen_seconds=float(all_reduce(gen_seconds, "max")))
         stats["rollout/prompt_digest"] = prompt_digest(prompts)
         if self.overlong.buffer:  # the mean penalty over the step's samples (all ranks)
-            total, count = all_reduce(torch.stack([penalty.sum(), torch.tensor(penalty.numel())])).tolist()
+            mine = penalty[:, :k]  # [B, K]
+            total, count = all_reduce(torch.stack([mine.sum(), torch.tensor(mine.numel())])).tolist()
             stats["rollout/overlong_penalty"] = total / count
+        if greedy is not None:
+            stats |= greedy_stats(rewards[:, k], graded.correct[:, k], lengths[:, k])
         names = self.task.source_names
         if names:  # task=mix, task=reasoning_gym: per source
             index = source_index(prompts, names)  # [W*B] one all-gather for both
@@ -106,3 +111,52 @@ class Grader:
             stats |= tool_stats(all_reduce(tool_counts(flat)).tolist())
         stats["perf/grade_seconds"] = clock.seconds["grade"]
         return Rollout(step=step, batch=batch, stats=stats), outcomes
+
+    def _scored(self, graded: Graded, groups: list[list[Completion]]):
+        """The rewards [B, K] after `rollout.truncated`'s rule and `reward.overlong`'s penalty; with
+        `keep_parts`, each reward function's rewards [B, K, D] after the same rule, the penalty as a part
+        of its own (`overlong`, weight 1); the penalty [B, K] (0 when off); the tokens each sample
+        generated [B, K] (without inserted tool results) and whether it finished [B, K]."""
+        rewards = graded.rewards  # [B, K]
+        finished = torch.tensor([[c.finished for c in g] for g in groups])  # [B, K]
+        values = torch.stack(list(graded.parts.values()), dim=-1) if self.keep_parts else None  # [B, K, D]
+        if self.truncated == "zero":
+            rewards = torch.where(finished | rewards.isnan(), rewards, torch.zeros_like(rewards))
+            if values is not None:
+                cut = ~finished.unsqueeze(-1) & ~values.isnan()  # [B, K, D]
+                values = torch.where(cut, torch.zeros_like(values), values)
+        sizes = torch.tensor([[len(c.token_ids) for c in g] for g in groups], dtype=torch.float)  # [B, K]
+        inserted = torch.tensor([[c.inserted for c in g] for g in groups], dtype=torch.float)  # [B, K]
+        penalty = torch.zeros_like(sizes)  # [B, K]
+        if self.overlong.buffer:  # against the sample's limit, which counts inserted tool results too
+            penalty = overlong_penalty(sizes, max_len=self.completion_tokens, buffer=self.overlong.buffer,
+                                       penalty=self.overlong.penalty)  # fmt: skip
+            rewards = rewards + penalty  # [B, K] NaN stays NaN
+        parts = None
+        if values is not None:
+            names = tuple(graded.parts)
+            weights = tuple(self.rewards.weights.get(n, 1.0) for n in names)  # an environment's reward: 1
+            if self.overlong.buffer:
+                values = torch.cat([values, penalty.unsqueeze(-1)], dim=-1)  # [B, K, D + 1]
+                names, weights = (*names, "overlong"), (*weights, 1.0)
+            parts = RewardParts(values, names, weights)
+        return rewards, parts, penalty, sizes - inserted, finished
+
+
+def greedy_stats(rewards: torch.Tensor, correct: torch.Tensor, lengths: torch.Tensor) -> dict[str, float]:
+    """The step's greedy completions (ReMax's baselines, [B] on this rank: their rewards after the
+    rules, verdicts and tokens), over all ranks: how many, their mean reward and accuracy over the
+    scorable ones, the unscorable ones (their groups get advantage 0) and their tokens. A collective."""
+    scorable = ~rewards.isnan()  # [B]
+    totals = torch.stack([
+        torch.tensor(float(len(rewards))), scorable.sum().float(), torch.where(scorable, rewards, 0.0).sum(),
+        torch.where(correct.isnan(), 0.0, correct).sum(), (~correct.isnan()).sum().float(), lengths.sum(),
+    ])  # fmt: skip
+    count, n_scorable, reward_sum, right, verdicts, tokens = all_reduce(totals).tolist()
+    return {
+        "rollout/greedy_samples": count,
+        "rollout/greedy_reward_mean": reward_sum / max(n_scorable, 1.0),
+        "rollout/greedy_accuracy": right / max(verdicts, 1.0),
+        "rollout/greedy_unscorable": count - n_scorable,
+        "rollout/greedy_gen_tokens": tokens,
+    }

@@ -52,8 +52,10 @@ class StepSampler:
         max_prompt_length: int,
         seed: int,
         trainer: Callable[[], object],
+        greedy_baseline: bool = False,
     ) -> None:
         self.engine, self.grader, self.rl = engine, grader, rl
+        self.greedy_baseline = greedy_baseline  # a greedy completion of each prompt beside its K (ReMax)
         self.task, self.tokenizer = grader.task, grader.tokenizer
         self.max_prompt_length, self.seed, self.trainer = max_prompt_length, seed, trainer
 
@@ -97,15 +99,22 @@ class StepSampler:
         with self.precision():
             return self.engine.generate(prompt_ids, **kwargs)
 
+    def generate_with_greedy(self, prompt_ids: list[list[int]], **kwargs):
+        """The engine's `generate_with_greedy` (K samples and a greedy completion of each prompt, in one
+        call where the engine can), in the precision context `generate` uses."""
+        with self.precision():
+            return self.engine.generate_with_greedy(prompt_ids, **kwargs)
+
     def graded_rollout(
         self, prompts: list[Prompt], prompt_ids: list[list[int]], groups: list[list[Completion]], *,
-        gen_seconds: float, step: int,
+        gen_seconds: float, step: int, greedy: list[Completion] | None = None,
     ) -> tuple[Rollout, Outcomes]:  # fmt: skip
         """`Grader.graded_rollout`, the engine put to sleep first (under dynamic sampling the rounds
         put it to sleep once they are over)."""
         if not self.rl.dynamic_sampling.enabled:
             self.engine.sleep()
-        return self.grader.graded_rollout(prompts, prompt_ids, groups, gen_seconds=gen_seconds, step=step)
+        return self.grader.graded_rollout(prompts, prompt_ids, groups, gen_seconds=gen_seconds, step=step,
+                                          greedy=greedy)  # fmt: skip
 
     def observed(self, rollout: Rollout, outcomes: Outcomes) -> Rollout:
         """`rollout`, its outcomes given to the task (`Task.observe`: a curriculum moves) and what the
@@ -115,14 +124,18 @@ class StepSampler:
 
     @torch.no_grad()
     def sample_and_grade(self, prompts: list[Prompt], *, seed: int, step: int = 0) -> Rollout:
-        """K completions of each prompt sampled with `seed`, graded, assembled into a batch and
-        observed by the task."""
+        """K completions of each prompt sampled with `seed` (and a greedy one, with `greedy_baseline`),
+        graded, assembled into a batch and observed by the task."""
         prompt_ids = self.encode_prompts(prompts)
         clock = PhaseClock()
+        k, greedy = self.rl.samples_per_prompt, None
         with clock.phase("gen"):
-            groups = self.generate(prompt_ids, n=self.rl.samples_per_prompt, seed=seed, **self.rows(prompts))
+            if self.greedy_baseline:
+                groups, greedy = self.generate_with_greedy(prompt_ids, n=k, seed=seed, **self.rows(prompts))
+            else:
+                groups = self.generate(prompt_ids, n=k, seed=seed, **self.rows(prompts))
         rollout, outcomes = self.graded_rollout(prompts, prompt_ids, groups, gen_seconds=clock.seconds["gen"],
-                                                step=step)  # fmt: skip
+                                                step=step, greedy=greedy)  # fmt: skip
         return self.observed(rollout, outcomes)
 
     def sample_round(self, step: int, round: int = 0) -> Rollout:

@@ -189,8 +189,17 @@ class PolicyGradientModule(L.LightningModule):
         # the KL controller then match one process on all B groups); this rank keeps its own rows.
         rank, world = rank_and_world()
         lengths = batch.completion_mask.sum(-1)  # [N] tokens in the loss
-        gathered = gather_rows(torch.stack([batch.rewards, lengths], dim=-1))  # [W*N, 2] one collective
+        columns = [batch.rewards.unsqueeze(-1), lengths.unsqueeze(-1)]  # [N, 1] each
+        columns += [
+            v.view(len(lengths), -1) for v in (batch.reward_baselines, batch.reward_parts) if v is not None
+        ]
+        gathered = gather_rows(torch.cat(columns, dim=-1))  # [W*N, 2 (+1) (+D)] one collective
         shaped, lengths, metrics = gathered[:, 0], gathered[:, 1], {}  # [W*N] the reward the estimator sees
+        everyone = replace(
+            batch,
+            reward_baselines=None if batch.reward_baselines is None else gathered[:, 2],  # [W*N]
+            reward_parts=None if batch.reward_parts is None else gathered[:, -batch.reward_parts.shape[-1] :],
+        )  # what the estimator reads of every rank's rows besides the rewards and lengths
         if self.reference is not None:
             ref = self.reference.completion_logprobs(batch, device=self.device, **score)  # [N, C]
             logp = batch.sampler_logprobs if policy_logprobs is None else policy_logprobs  # [N, C]
@@ -201,8 +210,7 @@ class PolicyGradientModule(L.LightningModule):
                 shaped = shaped - self.kl_controller.value * kl_seq  # [W*N]
             self.kl_controller.update(metrics["rollout/kl"], n_steps=len(kl_seq))
             batch = replace(batch, ref_logprobs=ref)
-        k = batch.samples_per_prompt
-        inputs = AdvantageInput.of_samples(shaped, lengths, k)  # [W*B, K] every rank's groups
+        inputs = AdvantageInput.of_batch(everyone, shaped, lengths)  # [W*B, K] every rank's groups
         advantages = self.advantage_fn(inputs, whiten=self.estimator.whiten).reshape(-1)  # [W*N]
         metrics["rollout/advantage_abs_mean"] = float(advantages.abs().mean())
         return replace(batch, advantages=advantages.view(world, -1)[rank]), metrics  # [N] this rank's

@@ -172,6 +172,18 @@ class RolloutEngine(ABC):
         limit instead of the sampling config's): what multi-turn rollouts with tools need
         (`loorl.rollout.multi_turn`)."""
 
+    def generate_with_greedy(
+        self, prompt_ids: list[list[int]], *, n: int, seed: int | None = None, **kwargs
+    ) -> tuple[list[list[Completion]], list[Completion]]:
+        """`generate`'s `n` samples of each prompt (the same ones, for the same seed) and one greedy
+        completion of each (ReMax's baseline), as (`result[prompt][sample]`, `greedy[prompt]`).
+
+        Default: a second `generate` call with `greedy=True`; an engine that can mix greedy and sampled
+        requests in one call (vLLM's `LLM.generate` takes a `SamplingParams` per prompt) overrides it."""
+        groups = self.generate(prompt_ids, n=n, seed=seed, **kwargs)
+        greedy = self.generate(prompt_ids, n=1, greedy=True, seed=seed, **kwargs)  # [B][1]
+        return groups, [g[0] for g in greedy]
+
     # ---- sampling ahead (rollout.max_staleness > 0) ------------------------------------------------
     # `submit` starts a generation with the weights of the last `sync` and returns a ticket; `receive(ticket)`
     # returns its completions and the seconds it took. The default generates in `submit`, in this process

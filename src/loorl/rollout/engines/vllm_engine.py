@@ -267,17 +267,40 @@ class VLLMEngine(RolloutEngine):
         stop: list[list[int]] | None = None,
         max_new_tokens: int | None = None,
     ) -> list[list[Completion]]:
+        params = self._params(len(prompt_ids), n=n, greedy=greedy, seed=seed, stop=stop,
+                              max_new_tokens=max_new_tokens)  # fmt: skip
+        return self._run(prompt_ids, params, stop)
+
+    def generate_with_greedy(
+        self, prompt_ids: list[list[int]], *, n: int, seed: int | None = None,
+        stop: list[list[int]] | None = None, max_new_tokens: int | None = None,
+    ) -> tuple[list[list[Completion]], list[Completion]]:  # fmt: skip
+        """The `n` samples `generate` draws for this seed and a greedy completion of each prompt, in one
+        `LLM.generate` call (one `SamplingParams` per request: the greedy ones share the prompts' cached
+        prefill)."""
+        options = {"stop": stop, "max_new_tokens": max_new_tokens}
+        sampled = self._params(len(prompt_ids), n=n, greedy=False, seed=seed, **options)
+        greedy = self._params(len(prompt_ids), n=1, greedy=True, seed=seed, count=False, **options)
+        groups = self._run(prompt_ids + prompt_ids, sampled + greedy, stop)  # [2B][.]
+        return groups[: len(prompt_ids)], [g[0] for g in groups[len(prompt_ids) :]]
+
+    def _params(
+        self, count_prompts: int, *, n: int, greedy: bool, seed: int | None,
+        stop: list[list[int]] | None, max_new_tokens: int | None, count: bool = True,
+    ) -> list:  # fmt: skip
+        """One `SamplingParams` per prompt, each with its own seed from the call's stream (`seed`, or the
+        engine's running one; `count=False`: the same stream as the call just made, not the next)."""
         if self.llm is None:
             raise RuntimeError("VLLMEngine.generate called before sync(policy)")
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
         s = self.sampling
-        stream = [self.seed, self.calls] if seed is None else [seed]
-        seeds = np.random.default_rng(stream).integers(0, 2**31 - 1, size=len(prompt_ids))  # per prompt
-        self.calls += 1
+        calls = self.calls - (0 if count else 1)
+        stream = [self.seed, calls] if seed is None else [seed]
+        seeds = np.random.default_rng(stream).integers(0, 2**31 - 1, size=count_prompts)  # per prompt
+        self.calls += int(count)
         stop_ids, stop_texts = self._stops(stop or [])
-        params = [
+        return [
             SamplingParams(
                 n=n,
                 temperature=0.0 if greedy else s.temperature,
@@ -297,6 +320,11 @@ class VLLMEngine(RolloutEngine):
             )
             for seed in seeds
         ]
+
+    def _run(self, prompt_ids: list[list[int]], params: list, stop: list[list[int]] | None):
+        """The completions of one `LLM.generate` call, `result[request][sample]`."""
+        from vllm.inputs import TokensPrompt
+
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p in prompt_ids], params, use_tqdm=False
         )
