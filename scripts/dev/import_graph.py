@@ -36,7 +36,7 @@ LAYERS = [
     ["loorl.rewards", "loorl.reward_model", "loorl.reward_library"],
     ["loorl.rollout"],
     ["loorl.training"] + [f"loorl.{m}" for m in ("module", "callbacks", "checkpoints", "strategies")],
-    ["loorl.config", "loorl.build"],
+    ["loorl.estimator_inputs", "loorl.config", "loorl.build"],
     ["loorl.research", "loorl.cli"]
     + [f"loorl.{m}" for m in ("ablation", "grad_variance", "train", "evaluate")]
     + ["loorl.console"],

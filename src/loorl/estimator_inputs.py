@@ -5,16 +5,11 @@ two or more of them and cannot see what is added to or done to their sum. Checke
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from loorl.algo import estimators
 from loorl.errors import ConfigError
 
-if TYPE_CHECKING:
-    from loorl.config import Settings
 
-
-def check_estimator_inputs(s: Settings) -> None:
+def check_estimator_inputs(s) -> None:  # s: loorl.config.Settings (which imports this module)
     """A one-line ConfigError for a setting that leaves the estimator without what it reads."""
     needs = estimators.needs(s.estimator.function)
     label = s.estimator.label
@@ -50,7 +45,7 @@ def check_estimator_inputs(s: Settings) -> None:
         )
 
 
-def environment_targets(s: Settings) -> list[str]:
+def environment_targets(s) -> list[str]:
     """The run's environment classes (`environment._target_`, or each of `environment.routes`)."""
     chosen = s.environment.chosen
     return [] if chosen is None else [chosen] if isinstance(chosen, str) else list(chosen.values())
