@@ -267,9 +267,9 @@ class VLLMEngine(RolloutEngine):
         stop: list[list[int]] | None = None,
         max_new_tokens: int | None = None,
     ) -> list[list[Completion]]:
-        params = self._params(len(prompt_ids), n=n, greedy=greedy, seed=seed, stop=stop,
-                              max_new_tokens=max_new_tokens)  # fmt: skip
-        return self._run(prompt_ids, params, stop)
+        seeds = self._seeds(len(prompt_ids), seed)
+        return self._run(prompt_ids, self._params(seeds, n=n, greedy=greedy, stop=stop,
+                                                  max_new_tokens=max_new_tokens), stop)  # fmt: skip
 
     def generate_with_greedy(
         self, prompt_ids: list[list[int]], *, n: int, seed: int | None = None,
@@ -278,27 +278,28 @@ class VLLMEngine(RolloutEngine):
         """The `n` samples `generate` draws for this seed and a greedy completion of each prompt, in one
         `LLM.generate` call (one `SamplingParams` per request: the greedy ones share the prompts' cached
         prefill)."""
-        options = {"stop": stop, "max_new_tokens": max_new_tokens}
-        sampled = self._params(len(prompt_ids), n=n, greedy=False, seed=seed, **options)
-        greedy = self._params(len(prompt_ids), n=1, greedy=True, seed=seed, count=False, **options)
+        seeds, options = self._seeds(len(prompt_ids), seed), {"stop": stop, "max_new_tokens": max_new_tokens}
+        sampled = self._params(seeds, n=n, greedy=False, **options)
+        greedy = self._params(seeds, n=1, greedy=True, **options)  # the seeds do not matter at temperature 0
         groups = self._run(prompt_ids + prompt_ids, sampled + greedy, stop)  # [2B][.]
         return groups[: len(prompt_ids)], [g[0] for g in groups[len(prompt_ids) :]]
 
-    def _params(
-        self, count_prompts: int, *, n: int, greedy: bool, seed: int | None,
-        stop: list[list[int]] | None, max_new_tokens: int | None, count: bool = True,
-    ) -> list:  # fmt: skip
-        """One `SamplingParams` per prompt, each with its own seed from the call's stream (`seed`, or the
-        engine's running one; `count=False`: the same stream as the call just made, not the next)."""
+    def _seeds(self, count_prompts: int, seed: int | None) -> np.ndarray:
+        """A seed per prompt [B] from the call's stream: `seed`, or the engine's running one (advanced)."""
         if self.llm is None:
             raise RuntimeError("VLLMEngine.generate called before sync(policy)")
+        stream = [self.seed, self.calls] if seed is None else [seed]
+        self.calls += 1
+        return np.random.default_rng(stream).integers(0, 2**31 - 1, size=count_prompts)  # [B]
+
+    def _params(
+        self, seeds: np.ndarray, *, n: int, greedy: bool, stop: list[list[int]] | None,
+        max_new_tokens: int | None,
+    ) -> list:  # fmt: skip
+        """One `SamplingParams` per prompt, each with its seed."""
         from vllm import SamplingParams
 
         s = self.sampling
-        calls = self.calls - (0 if count else 1)
-        stream = [self.seed, calls] if seed is None else [seed]
-        seeds = np.random.default_rng(stream).integers(0, 2**31 - 1, size=count_prompts)  # per prompt
-        self.calls += int(count)
         stop_ids, stop_texts = self._stops(stop or [])
         return [
             SamplingParams(
