@@ -10,6 +10,7 @@ import torch
 
 from fixtures import policy_and_rollouts
 from loorl.algo.estimators import AdvantageInput, compute_advantages
+from loorl.rewards.library import length_penalty
 from loorl.rewards.shaping import overlong_penalty
 from loorl.rollout.dynamic_sampling import round_signal
 
@@ -57,8 +58,9 @@ def test_remax_draws_a_greedy_completion_per_prompt_graded_by_the_same_rules(qui
 
 def test_gdpo_keeps_each_reward_function_apart(quick_config):
     overrides = ("estimator=gdpo", "reward=custom", "reward.clip=null", "reward.overlong.buffer=2",
-                 "reward.functions.brevity.fn.target_chars=1",  # every completion pays a brevity penalty
-                 "rollout.max_new_tokens=3", "rollout.truncated=zero")  # fmt: skip
+                 "reward.functions.brevity.fn.target_chars=1",  # two characters or more pay a brevity penalty
+                 "rollout.max_new_tokens=2", "rollout.truncated=zero")  # fmt: skip
+    # two tokens: every two-digit answer is cut (no room for its end-of-sequence token), on every CPU
     cfg, task, tok, module, dm = policy_and_rollouts(quick_config(*overrides))
     dm.engine.sync(module.policy)
     batch = dm.rollout_for_step(step=0).batch
@@ -68,12 +70,16 @@ def test_gdpo_keeps_each_reward_function_apart(quick_config):
     # the reward is their weighted sum (no clip), the overlong penalty a part of its own
     torch.testing.assert_close(batch.rewards, (parts * torch.tensor([1.0, 0.1, 1.0])).sum(-1))
     lengths = completion_lengths(batch)
-    torch.testing.assert_close(parts[:, 2], overlong_penalty(lengths, max_len=3, buffer=2, penalty=1.0))
+    torch.testing.assert_close(parts[:, 2], overlong_penalty(lengths, max_len=2, buffer=2, penalty=1.0))
     # rollout.truncated=zero zeroes every function's reward of a cut sample, as it zeroes their sum
     eos = set(dm.engine.eos_token_ids)
     ended = torch.tensor([bool(eos & set(row)) for row in batch.completion_ids.tolist()])  # [N]
-    cut = (lengths == 3) & ~ended  # [N] reached the limit with no end-of-sequence token
-    assert cut.any() and (parts[cut, :2] == 0).all() and (parts[~cut, 1] != 0).any()
+    cut = (lengths == 2) & ~ended  # [N] reached the limit with no end-of-sequence token
+    assert cut.any() and (parts[cut, :2] == 0).all()
+    texts = [tok.decode(row, skip_special_tokens=True) for row in batch.completion_ids.tolist()]
+    brevity = torch.tensor(length_penalty([], texts, target_chars=1))  # [N] by hand, before the rule
+    torch.testing.assert_close(parts[~cut, 1], brevity[~cut])
+    assert (brevity[cut] != 0).all()  # what the rule zeroed was a live penalty (a cut sample has 2 chars)
     # the learner's advantages are GDPO's of these parts; dynamic sampling asks the same input
     prepared, _ = module.with_advantages(batch)
     k = cfg.rl.samples_per_prompt
