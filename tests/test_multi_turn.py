@@ -297,3 +297,24 @@ def test_a_turn_from_the_kept_cache_is_the_turn_a_fresh_prefill_gives(tiny, monk
     assert largest < 1e-5, largest
     print(f"kept vs prefilled again: {len(kept_turns)} continued turns, largest |log-prob difference| "
           f"{largest:.2e}, up to {most_calls} calls a sample")  # fmt: skip
+
+
+def test_remax_with_tools_takes_a_greedy_multi_turn_completion_as_each_groups_baseline(quick_config, tiny):
+    """The tool engine has no one-call greedy draw: the rollout's second call (`generate(greedy=True)`)
+    runs the greedy completion through its turns, tool results inserted, and grades it with its calls."""
+    _, task, path, tok, model = tiny
+    cfg = quick_config(*DIGIT_TOOLS, *ON_CPU, "estimator=remax")
+    dm = build_datamodule(cfg, task, tok, path)
+    dm.engine.sync(model)
+    rollout = dm.rollout_for_step(step=1)
+    batch, k = rollout.batch, cfg.rl.samples_per_prompt
+    prompts = dm.sampler.prompts_for_step(1)
+    greedy = [g[0] for g in dm.engine.generate(dm.sampler.encode_prompts(prompts), n=1, greedy=True)]
+    assert any(c.tool_calls for c in greedy) and any(c.inserted for c in greedy)  # turns with results
+    texts = [tok.decode(c.text_ids, skip_special_tokens=True) for c in greedy]
+    verdicts = [task.grade_with_tools(p, t, c.tool_calls)[0] for p, t, c in zip(prompts, texts, greedy)]
+    baselines = batch.reward_baselines.view(-1, k)  # [B, K] one per group, repeated over its rows
+    assert baselines.tolist() == [[float(v)] * k for v in verdicts]
+    generated = sum(len(c.token_ids) - c.inserted for c in greedy)  # results are not generated
+    assert rollout.stats["rollout/greedy_gen_tokens"] == generated
+    assert batch.input_ids.shape[0] == len(prompts) * k  # never trained on
