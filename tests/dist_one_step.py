@@ -26,7 +26,7 @@ from loorl.models.sources import resolve_model_path
 from loorl.parallel.distributed import rank_and_world, rank_block, shutdown
 from loorl.parallel.fsdp import full_state_dict, is_sharded
 from loorl.rewards import Graded
-from loorl.rollout.batch import assemble
+from loorl.rollout.batch import RewardParts, assemble
 from loorl.rollout.step_stats import gather_graded, rollout_stats
 from loorl.types import Completion, Rollout
 
@@ -34,7 +34,9 @@ GROUPS, K = 8, 4
 
 
 def global_rollout(vocab: int, pad: int, eos: int) -> Rollout:
-    """B groups of K completions of random lengths (some cut short), with 0/1 rewards and a NaN."""
+    """B groups of K completions of random lengths (some cut short), rewarded 0/1 (one NaN) plus 0.1 x a
+    second function's reward in [-1, 0], each kept apart (GDPO's parts), and a greedy reward per group
+    (ReMax's baseline): every rank's are gathered for the estimator whether it reads them or not."""
     gen = torch.Generator().manual_seed(1234)
     lengths = torch.randint(3, 7, (GROUPS,), generator=gen).tolist()
     prompts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
@@ -49,9 +51,14 @@ def global_rollout(vocab: int, pad: int, eos: int) -> Rollout:
             logprobs = (-torch.rand(len(tokens), generator=gen) * 3).tolist()
             group.append(Completion(token_ids=tokens, logprobs=logprobs, finished=finished))
         groups.append(group)
-    rewards = (torch.rand(GROUPS, K, generator=gen) < 0.5).float()  # [B, K]
-    rewards[2, 1] = float("nan")  # one unscorable sample
-    batch = assemble(prompts, groups, pad_token_id=pad, rewards=rewards)
+    correct = (torch.rand(GROUPS, K, generator=gen) < 0.5).float()  # [B, K]
+    correct[2, 1] = float("nan")  # one unscorable sample
+    brevity = -torch.rand(GROUPS, K, generator=gen)  # [B, K] a second reward function's rewards
+    weights = (1.0, 0.1)
+    rewards = correct + weights[1] * brevity  # [B, K] their weighted sum (NaN stays NaN)
+    parts = RewardParts(torch.stack([correct, brevity], dim=-1), ("correct", "brevity"), weights)  # [B, K, 2]
+    greedy = torch.rand(GROUPS, generator=gen).round()  # [B] a greedy completion's reward (ReMax)
+    batch = assemble(prompts, groups, pad_token_id=pad, rewards=rewards, baselines=greedy, parts=parts)
     return Rollout(step=0, batch=batch, stats={})
 
 
@@ -71,10 +78,11 @@ class FixedRollout(L.LightningDataModule):
 def environment_stats(rollout: Rollout, mine: list[int]) -> dict[str, float]:
     """The DataModule's statistics of the step, from this rank's groups of the global rollout."""
     rewards = rollout.batch.rewards.view(GROUPS, K)[mine]  # [b, K]
+    correct = rollout.batch.reward_parts[:, 0].view(GROUPS, K)[mine]  # [b, K] the 0/1 function's
     mask = rollout.batch.completion_mask.view(GROUPS, K, -1)[mine]  # [b, K, C]
     lengths, finished = mask.sum(-1), mask[..., -1] == 0  # [b, K], [b, K]
     parts = {"exact": rewards, "format": torch.where(rewards.isnan(), rewards, 0.5 + rewards / 4)}
-    graded = Graded(rewards, (rewards == 1).float(), int(rewards.isnan().sum()), parts)
+    graded = Graded(rewards, (correct == 1).float(), int(rewards.isnan().sum()), parts)
     return rollout_stats(*gather_graded(graded, lengths, finished), gen_seconds=1.0)
 
 

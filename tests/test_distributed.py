@@ -131,6 +131,16 @@ def test_two_processes_take_the_single_process_step(tmp_path, model_cache, singl
     assert_the_single_process_step(single, two, strategy)
 
 
+# GDPO reads every rank's reward parts, gathered in the same collective as the rewards (beside ReMax's
+# greedy baselines): two processes take the one-process step
+GDPO = ("estimator=gdpo", "reward=custom", "reward.clip=null", "kl.in_reward=false", "kl.estimator=k3")
+
+
+def test_two_processes_take_the_single_process_gdpo_step(tmp_path, model_cache):
+    single = one_step(tmp_path / "one.pt", model_cache, "auto", 1, *GDPO)
+    assert_the_single_process_step(single, one_step(tmp_path / "two.pt", model_cache, "ddp", 2, *GDPO), "ddp")
+
+
 # LoRA: adapters over frozen base weights, the KL reference the base with the adapters off (peft's
 # disable_adapter() inside DDP's and FSDP's forward), FSDP's layer classes found inside the PeftModel
 LORA = ("model.lora={r: 4}",)
