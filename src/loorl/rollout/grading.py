@@ -78,7 +78,10 @@ class Grader:
         with clock.phase("grade"):
             graded = self.rewards(prompts, self.texts(graded_groups), tool_calls_of(graded_groups))
             graded = environment_rewards(graded, graded_groups)  # [B, K(+1)] an environment's get_reward()
-        rewards, parts, penalty, lengths, finished = self._scored(graded, graded_groups)  # [B, K(+1)]
+        finished = torch.tensor([[c.finished for c in g] for g in graded_groups])  # [B, K(+1)] ended by EOS
+        rewards, parts, penalty = self._scored(graded, graded_groups, finished)  # [B, K(+1)]
+        generated = [[len(c.token_ids) - c.inserted for c in g] for g in graded_groups]  # results left out
+        lengths = torch.tensor(generated, dtype=torch.float)  # [B, K(+1)] the tokens each sample generated
         samples = graded.columns(slice(0, k))  # the sampled ones; column K is the greedy one
         batch = assemble(
             [g[0].prompt_ids or ids for g, ids in zip(groups, prompt_ids)],  # reset's text placed in some
@@ -112,13 +115,12 @@ class Grader:
         stats["perf/grade_seconds"] = clock.seconds["grade"]
         return Rollout(step=step, batch=batch, stats=stats), outcomes
 
-    def _scored(self, graded: Graded, groups: list[list[Completion]]):
-        """The rewards [B, K] after `rollout.truncated`'s rule and `reward.overlong`'s penalty; with
-        `keep_parts`, each reward function's rewards [B, K, D] after the same rule, the penalty as a part
-        of its own (`overlong`, weight 1); the penalty [B, K] (0 when off); the tokens each sample
-        generated [B, K] (without inserted tool results) and whether it finished [B, K]."""
+    def _scored(self, graded: Graded, groups: list[list[Completion]], finished: torch.Tensor):
+        """The rewards [B, K] after `rollout.truncated`'s rule (`finished` [B, K]: which samples ended)
+        and `reward.overlong`'s penalty; with `keep_parts`, each reward function's rewards [B, K, D] after
+        the same rule, the penalty as a part of its own (`overlong`, weight 1); the penalty [B, K] (0 when
+        off)."""
         rewards = graded.rewards  # [B, K]
-        finished = torch.tensor([[c.finished for c in g] for g in groups])  # [B, K]
         values = torch.stack(list(graded.parts.values()), dim=-1) if self.keep_parts else None  # [B, K, D]
         if self.truncated == "zero":
             rewards = torch.where(finished | rewards.isnan(), rewards, torch.zeros_like(rewards))
@@ -126,7 +128,6 @@ class Grader:
                 cut = ~finished.unsqueeze(-1) & ~values.isnan()  # [B, K, D]
                 values = torch.where(cut, torch.zeros_like(values), values)
         sizes = torch.tensor([[len(c.token_ids) for c in g] for g in groups], dtype=torch.float)  # [B, K]
-        inserted = torch.tensor([[c.inserted for c in g] for g in groups], dtype=torch.float)  # [B, K]
         penalty = torch.zeros_like(sizes)  # [B, K]
         if self.overlong.buffer:  # against the sample's limit, which counts inserted tool results too
             penalty = overlong_penalty(sizes, max_len=self.completion_tokens, buffer=self.overlong.buffer,
@@ -140,7 +141,7 @@ class Grader:
                 values = torch.cat([values, penalty.unsqueeze(-1)], dim=-1)  # [B, K, D + 1]
                 names, weights = (*names, "overlong"), (*weights, 1.0)
             parts = RewardParts(values, names, weights)
-        return rewards, parts, penalty, sizes - inserted, finished
+        return rewards, parts, penalty
 
 
 def greedy_stats(rewards: torch.Tensor, correct: torch.Tensor, lengths: torch.Tensor) -> dict[str, float]:
