@@ -132,6 +132,23 @@ def test_the_server_samples_what_the_trainer_scores_after_a_weight_update(quick_
 
 
 @pytest.mark.slow
+def test_remax_takes_its_baselines_from_the_servers_greedy_completions(quick_config, server):
+    """The server engine draws ReMax's greedy completion per prompt in a second request
+    (`generate(greedy=True)`), graded by the task as the samples are, counted, never trained on."""
+    cfg, task, tok, module, dm = _setup(quick_config, server, "estimator=remax")
+    dm.engine.sync(module.policy)
+    rollout = dm.rollout_for_step(step=0)
+    batch, k = rollout.batch, cfg.rl.samples_per_prompt
+    prompts = dm.sampler.prompts_for_step(0)
+    greedy = [g[0] for g in dm.engine.generate(dm.sampler.encode_prompts(prompts), n=1, greedy=True)]
+    texts = [tok.decode(c.text_ids, skip_special_tokens=True) for c in greedy]
+    verdicts = [float(task.grade(p, t)[0]) for p, t in zip(prompts, texts)]  # [B]
+    assert batch.reward_baselines.view(-1, k).tolist() == [[v] * k for v in verdicts]
+    assert rollout.stats["rollout/greedy_samples"] == len(prompts) == batch.input_ids.shape[0] // k
+    assert rollout.stats["rollout/greedy_gen_tokens"] == sum(len(c.token_ids) for c in greedy)
+
+
+@pytest.mark.slow
 def test_lora_adapters_reach_the_server_unmerged_and_only_they_after_the_first_version(quick_config, server):
     """With model.lora the first sync sends the base weights and the adapter; later syncs the adapter
     only (counted: the bytes of its A and B), loaded under a new name per version; the server then
