@@ -50,6 +50,8 @@ def test_remax_draws_a_greedy_completion_per_prompt_graded_by_the_same_rules(qui
     assert stats["rollout/greedy_accuracy"] == pytest.approx(float(verdicts.mean()))
     assert stats["rollout/greedy_gen_tokens"] == sum(len(c.token_ids) for c in greedy)
     assert stats["rollout/accuracy"] == without.stats["rollout/accuracy"]  # the samples' alone
+    generated = stats["rollout/gen_tokens"] + stats["rollout/greedy_gen_tokens"]  # the throughput counts both
+    assert stats["perf/gen_tokens_per_s"] == pytest.approx(generated / stats["perf/gen_seconds"])
     # the learner subtracts it: A = r - r_greedy
     prepared, _ = module.with_advantages(batch)
     torch.testing.assert_close(prepared.advantages, batch.rewards - batch.reward_baselines)

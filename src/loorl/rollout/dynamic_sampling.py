@@ -21,6 +21,7 @@ import torch
 from loorl.algo.estimators import AdvantageInput, Estimator
 from loorl.parallel.distributed import all_reduce
 from loorl.rollout.batch import concatenate
+from loorl.rollout.step_stats import gen_tokens_per_s
 from loorl.settings import DynamicSamplingSettings
 from loorl.types import Rollout, RolloutBatch
 
@@ -149,7 +150,8 @@ def dynamic_sampling_stats(
     for key in totals:
         if key in stats:
             stats[key] = sum(r.stats.get(key, 0.0) for r in rounds)
-    stats["perf/gen_tokens_per_s"] = stats["rollout/gen_tokens"] / max(stats["perf/gen_seconds"], 1e-9)
+    greedy = sum(r.stats.get("rollout/greedy_gen_tokens", 0.0) for r in rounds)  # ReMax's, every round's
+    stats["perf/gen_tokens_per_s"] = gen_tokens_per_s({**stats, "rollout/greedy_gen_tokens": greedy})
     mine = [len(choice.trained) - choice.fillers, choice.fillers, choice.surplus]
     counts = all_reduce(mine + [aside.all_right, aside.all_wrong, aside.other]).tolist()  # all ranks
     signal, fillers, surplus, right, wrong, other = counts

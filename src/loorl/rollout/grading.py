@@ -18,6 +18,7 @@ from loorl.rollout.batch import RewardParts, assemble
 from loorl.rollout.multi_turn import environment_rewards, tool_calls_of, tool_counts, tool_stats
 from loorl.rollout.step_stats import (
     gather_graded,
+    gen_tokens_per_s,
     prompt_digest,
     rollout_stats,
     source_index,
@@ -102,6 +103,7 @@ class Grader:
             stats["rollout/overlong_penalty"] = total / count
         if greedy is not None:
             stats |= greedy_stats(rewards[:, k], graded.correct[:, k], lengths[:, k])
+            stats["perf/gen_tokens_per_s"] = gen_tokens_per_s(stats)  # the greedy tokens took time too
         names = self.task.source_names
         if names:  # task=mix, task=reasoning_gym: per source
             index = source_index(prompts, names)  # [W*B] one all-gather for both

@@ -37,6 +37,13 @@ def rollout_stats(
     }
 
 
+def gen_tokens_per_s(stats: dict[str, float]) -> float:
+    """The step's generation throughput: every token generated in `perf/gen_seconds`, ReMax's greedy
+    completions (`rollout/greedy_gen_tokens`, drawn in the same call or a second one) included."""
+    tokens = stats["rollout/gen_tokens"] + stats.get("rollout/greedy_gen_tokens", 0.0)
+    return tokens / max(stats["perf/gen_seconds"], 1e-9)
+
+
 def length_by_verdict(correct: torch.Tensor, lengths: torch.Tensor) -> dict[str, float]:
     """The mean completion length of the correct and of the wrong samples (`correct` [B, K]: 1, 0 or
     NaN for unscorable, left out of both); a key is absent when no sample has that verdict. Dr. GRPO's
