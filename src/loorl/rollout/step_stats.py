@@ -22,7 +22,7 @@ def rollout_stats(
     scorable = ~rewards.isnan()  # [B, K]
     group_std = masked_std(rewards, scorable, dim=-1)  # [B] 0 with < 2 scorable
     parts = {f"rollout/reward_{name}": float(v.nanmean()) for name, v in graded.parts.items()}
-    return {
+    stats = {
         "rollout/reward_std": float(masked_std(rewards, scorable)),
         "rollout/accuracy": float(graded.correct.nanmean()),  # of the scorable samples
         "rollout/completion_len": float(lengths.mean()),
@@ -31,10 +31,10 @@ def rollout_stats(
         "rollout/truncated_frac": float((~finished).float().mean()),
         "rollout/zero_std_group_frac": float((group_std == 0).float().mean()),
         "rollout/unscorable": float(graded.unscorable),
-        "perf/gen_tokens_per_s": float(lengths.sum()) / max(gen_seconds, 1e-9),
         "perf/gen_seconds": gen_seconds,
         **(parts if len(parts) > 1 else {}),
     }
+    return stats | {"perf/gen_tokens_per_s": gen_tokens_per_s(stats)}
 
 
 def gen_tokens_per_s(stats: dict[str, float]) -> float:
