@@ -44,6 +44,7 @@ CASES = [
     (["estimator.name=foo"], "estimator.name", ["foo", "rloo", "grpo"]),
     (["estimator=rloo", "rl.samples_per_prompt=1"], "rl.samples_per_prompt", ["rloo", "2"]),
     (["estimator=grpo", "rl.samples_per_prompt=1"], "rl.samples_per_prompt", ["grpo", "2"]),
+    (["estimator=w_reinforce", "+estimator.options.lam=0.5"], "estimator.options.lam", ["positive_weight"]),
     (["rl.samples_per_prompt=0"], "rl.samples_per_prompt", []),
     (
         ["rl.prompts_per_step=30", "rl.prompts_per_minibatch=8"],

@@ -12,6 +12,7 @@ import torch
 from loorl.algo import estimators
 from loorl.algo.estimators import AdvantageInput, compute_advantages
 from loorl.algo.masked import masked_mean, masked_std
+from loorl.errors import ConfigError
 
 NAN = float("nan")
 ALL = [
@@ -26,6 +27,7 @@ ALL = [
     "reinforce_pp_baseline",
     "remax",
     "rloo",
+    "w_reinforce",
 ]
 SEED = torch.tensor([[10.0, 5.0, 8.0, 2.0]])  # [1, 4]
 
@@ -155,6 +157,34 @@ def test_opo_gpg_and_passk_by_hand():
     )
 
 
+def test_w_reinforce_by_hand():
+    r = torch.tensor([[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, NAN, 0.0]])  # [3, 4]
+    a = compute_advantages("w_reinforce", r)  # [3, 4]
+    # right +0.1, wrong -1; an all-right or all-wrong group still has advantages; unscorable 0
+    expected = torch.tensor([[0.1, -1.0, 0.1, -1.0], [0.1] * 4, [-1.0, -1.0, 0.0, -1.0]])
+    torch.testing.assert_close(a, expected)
+    # a reward of 0.5 (a partial or format reward) lies on the same line: 0.05 - 0.5
+    torch.testing.assert_close(
+        compute_advantages("w_reinforce", torch.tensor([[0.5]])), torch.tensor([[-0.45]])
+    )
+    # positive_weight is the paper's lambda: bound through estimator.options
+    bound = estimators.with_options(estimators.get("w_reinforce"), {"positive_weight": 0.5})
+    torch.testing.assert_close(bound(AdvantageInput(r[:1])), torch.tensor([[0.5, -1.0, 0.5, -1.0]]))
+    assert (bound.min_group_size, bound.needs) == (1, ())
+
+
+def test_estimator_options_are_checked():
+    assert estimators.with_options(estimators.rloo, {}) is estimators.rloo
+    with pytest.raises(ConfigError) as err:
+        estimators.with_options(estimators.get("w_reinforce"), {"positive_wieght": 0.5})
+    assert str(err.value) == (
+        "estimator.options.positive_wieght: estimator 'w_reinforce' has no such option; "
+        "it takes positive_weight"
+    )
+    with pytest.raises(ConfigError, match="estimator 'rloo' has no such option; it takes none"):
+        estimators.with_options(estimators.rloo, {"positive_weight": 0.5})
+
+
 def test_remax_and_gdpo_by_hand():
     # ReMax: greedy rewards 4 and 1: A = r - r_greedy, whatever the group's spread (a uniform group too)
     rewards = torch.tensor([[10.0, 5.0], [1.0, 1.0]])  # [2, 2]
@@ -198,7 +228,7 @@ def test_unscorable_groups_get_zeros(name, whiten):
     assert torch.isfinite(a).all()
     assert (a[0] == 0).all()  # all-NaN group
     assert (a[1, [0, 2]] == 0).all()  # unscorable samples are exactly 0
-    if name not in ("reinforce", "reinforce_pp", "remax"):  # those have no group baseline
+    if name not in ("reinforce", "reinforce_pp", "remax", "w_reinforce"):  # those have no group baseline
         assert a[1, 1] == 0  # a group with one scorable sample has no baseline
     assert (a[2] != 0).any()
 
@@ -287,6 +317,8 @@ def reference(name, rewards, *, whiten, eps):
         for k in scorable:
             if name in ("reinforce", "reinforce_pp"):
                 out[b][k] = row[k]
+            elif name == "w_reinforce":  # +0.1 for reward 1, -1 for reward 0, on that line elsewhere
+                out[b][k] = 0.1 * row[k] - (1 - row[k])
             elif name == "rloo":
                 others = [row[j] for j in scorable if j != k]
                 out[b][k] = row[k] - _mean(others) if others else 0.0
@@ -388,7 +420,7 @@ def test_unknown_estimator_message():
     assert err.value.args[0] == (
         "unknown estimator 'x'; choose one of: "
         "dr_grpo, gdpo, gpg, grpo, grpo_passk, opo, reinforce, reinforce_pp, reinforce_pp_baseline, "
-        "remax, rloo"
+        "remax, rloo, w_reinforce"
     )
     with pytest.raises(KeyError, match="unknown estimator 'y'"):
         compute_advantages("y", SEED)

@@ -13,12 +13,15 @@ The output never holds NaN or inf.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from loorl.algo.masked import masked_mean, masked_std, masked_whiten
+from loorl.errors import ConfigError
 from loorl.util.plugins import import_object
 
 
@@ -136,6 +139,26 @@ def min_group_size(name: str, target: str | None = None) -> int:
     return getattr(resolve(name, target), "min_group_size", 1)
 
 
+def with_options(fn: Estimator, options: dict) -> Estimator:
+    """`fn` with `estimator.options` bound as keyword arguments (W-REINFORCE's `positive_weight`), its
+    `min_group_size` and `needs` kept; `fn` itself without options. An option `fn` does not take is a
+    one-line error naming it and the ones it takes."""
+    if not options:
+        return fn
+    taken = [p.name for p in inspect.signature(fn).parameters.values()
+             if p.kind == p.KEYWORD_ONLY and p.name not in ("whiten", "eps")]  # fmt: skip
+    unknown = sorted(set(options) - set(taken))
+    if unknown:
+        name = getattr(fn, "__name__", "the estimator")
+        raise ConfigError(
+            f"estimator.options.{unknown[0]}: estimator '{name}' has no such option; it takes "
+            + (", ".join(taken) if taken else "none (remove estimator.options)")
+        )
+    bound = functools.partial(fn, **options)
+    bound.min_group_size, bound.needs = getattr(fn, "min_group_size", 1), needs(fn)
+    return bound
+
+
 def needs(estimator: Estimator) -> tuple[str, ...]:
     """The fields of `NEEDS` the estimator reads (none for a function that does not say)."""
     return tuple(getattr(estimator, "needs", ()))
@@ -192,6 +215,27 @@ def reinforce(inp: AdvantageInput | torch.Tensor, *, whiten: bool = False, eps: 
     """A = r: no baseline, the highest-variance estimator; a reference point for the others."""
     r, valid = _prepare(inp)  # [B, K], [B, K]
     return _finish(r, valid, whiten=whiten, eps=eps)
+
+
+@register("w_reinforce")
+def w_reinforce(
+    inp: AdvantageInput | torch.Tensor,
+    *,
+    whiten: bool = False,
+    eps: float = 1e-6,
+    positive_weight: float = 0.1,
+) -> torch.Tensor:
+    """Weighted-REINFORCE (Zhu et al. 2025, arXiv 2506.01347): A = lambda * r - (1 - r), no baseline.
+
+    With 0/1 rewards a right sample gets +lambda (`positive_weight`, the paper's 0.1) and a wrong one -1:
+    most of the push is away from wrong answers, which keeps probability mass spread over the other
+    answers (entropy) where plain REINFORCE sharpens onto the right ones. A group whose samples are
+    all right or all wrong still teaches, unlike under a group baseline. Rewards between 0 and 1 are
+    mapped on the same line; it is REINFORCE with the fixed baseline 1 / (1 + lambda), scaled by
+    1 + lambda.
+    """
+    r, valid = _prepare(inp)  # [B, K], [B, K]
+    return _finish(positive_weight * r - (1.0 - r), valid, whiten=whiten, eps=eps)  # [B, K]
 
 
 @register("rloo", min_group_size=2)

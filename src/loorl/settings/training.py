@@ -3,7 +3,7 @@ and `kl`."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import Field
 from pydantic.dataclasses import dataclass
@@ -99,6 +99,7 @@ class EstimatorSettings(Section):
     name: str = "rloo"
     whiten: bool = False
     target: str | None = None  # `_target_` in YAML: a dotted path to an estimator function
+    options: dict[str, Any] = Field(default_factory=dict)  # the estimator's own keyword arguments
 
     def __post_init__(self) -> None:
         if self.target is not None:
@@ -109,6 +110,7 @@ class EstimatorSettings(Section):
                 + ", ".join(estimators.names())
                 + " (or estimator._target_=<module.function> for your own)"
             )
+        _ = self.function  # an option the estimator does not take: one line now
 
     @property
     def label(self) -> str:
@@ -117,7 +119,8 @@ class EstimatorSettings(Section):
 
     @property
     def function(self) -> estimators.Estimator:
-        return estimators.resolve(self.name, self.target)
+        """The estimator with its `options` bound (`estimators.with_options`)."""
+        return estimators.with_options(estimators.resolve(self.name, self.target), self.options)
 
 
 PER_SEQUENCE_LOSSES = ("sapo", "geo_mean")  # one loss per sequence: they need loss.agg=seq-mean-token-mean
