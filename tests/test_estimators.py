@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from loorl.algo import estimators
+from loorl.algo import estimator_registry, estimators
 from loorl.algo.estimators import AdvantageInput, compute_advantages
 from loorl.algo.masked import masked_mean, masked_std
 from loorl.errors import ConfigError
@@ -429,7 +429,7 @@ def test_unknown_estimator_message():
 
 
 def test_register_custom_and_duplicate(monkeypatch):
-    monkeypatch.setattr(estimators, "_REGISTRY", dict(estimators._REGISTRY))
+    monkeypatch.setattr(estimator_registry, "_REGISTRY", dict(estimator_registry._REGISTRY))
 
     @estimators.register("double", min_group_size=3)
     def double(inp, *, whiten=False, eps=1e-6):  # an estimator gets an AdvantageInput

@@ -111,6 +111,8 @@ def test_the_curriculum_level_sets_the_problems_drawn_and_is_logged():
     )
     fresh.load_state_dict(state)
     assert [p.text for p in fresh.prompts_for_step(2, 64, seed=0)] == [p.text for p in drawn]
+    # pass-rate pools (rl.prompt_pools) keep one pass rate per dataset and level: the questions rarely repeat
+    assert {task.pass_rate_key(p) for p in drawn} == {"chain_sum@L2"}
 
 
 @pytest.mark.parametrize(

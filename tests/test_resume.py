@@ -123,17 +123,34 @@ def test_a_killed_lora_run_resumes_to_the_same_run(tmp_path, model_cache):
 
 @pytest.mark.parametrize(
     "overrides",
-    [(), pytest.param(("rollout.max_staleness=1", "rollout.devices=trainer"), marks=pytest.mark.slow)],
-    ids=["synchronous", "one-step-off"],
+    [
+        (),
+        pytest.param(("rollout.max_staleness=1", "rollout.devices=trainer"), marks=pytest.mark.slow),
+        (
+            "rl.prompt_pools.enabled=true",
+            "rl.prompt_pools.retire_at=0.75",
+            "rl.prompt_pools.weights.hard=0.5",
+        ),
+    ],
+    ids=["synchronous", "one-step-off", "prompt-pools"],
 )
 def test_a_killed_run_with_dynamic_sampling_resumes_to_the_same_run(tmp_path, model_cache, overrides):
     """Dynamic sampling's rounds (their prompts, samples and counts) after a kill -9 are those of the
     run never stopped: every `dynamic/` metric and the rest, exactly. One step off, the rollout sampled
-    ahead is checkpointed before its further rounds, which the resumed step draws with its weights."""
+    ahead is checkpointed before its further rounds, which the resumed step draws with its weights.
+    With pass-rate prompt pools every round's draw reads the pass rates the checkpoint kept."""
     ds = ("rl.dynamic_sampling.enabled=true", "rl.steps=9", "checkpoint_every=3", "val_every=3", *overrides)
     straight, run = tmp_path / "straight", tmp_path / "run"
     _run(_command(straight, model_cache, *ds))
     assert any(key == "dynamic/rounds" for key, _ in metric_values(straight))
+    if "rl.prompt_pools.enabled=true" in overrides:
+        retired = [
+            float(v)
+            for (key, _), values in metric_values(straight).items()
+            if key == "pools/retired"
+            for v in values
+        ]
+        assert retired and max(retired) > 0  # the pools moved: the resume has state to restore
     killed = _start_and_signal(_command(run, model_cache, *ds), run / "checkpoints" / "epoch=5-step=6.ckpt",
                                signal.SIGKILL)  # fmt: skip
     assert killed.returncode == -signal.SIGKILL

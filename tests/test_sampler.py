@@ -49,6 +49,27 @@ def test_model_generation_config_does_not_change_the_hf_sampler(quick_config, ho
 # vLLM's sampler on the same model: tests/test_vllm.py's training run (one vLLM run for both checks)
 
 
+# ---- a temperature schedule: each rollout scored at the temperature that drew it ----------------
+def test_a_temperature_schedule_samples_and_scores_each_step_at_its_temperature(quick_config, tmp_path):
+    history = _history(quick_config, tmp_path, "rollout=hf", "rollout.temperature=1.0",
+                       "rollout.temperature_schedule={2: 0.5}")  # fmt: skip
+    assert [v for _, v in history["rollout/temperature"]] == [1.0, 1.0, 0.5]
+    worst = max(v for _, v in history["train/sampler_logratio_max"])
+    assert worst < 1e-4, worst  # scored at 1.0, step 2's samples drawn at 0.5 would differ by ~1
+
+
+def test_the_schedule_holds_or_interpolates_between_its_anchors(quick_config):
+    from loorl.config import check_config
+
+    steps = (0, 10, 19, 20, 30, 40, 100)
+    schedule = ("rollout.temperature=0.7", "rollout.temperature_schedule={20: 0.9, 40: 1.1}")
+    held = check_config(quick_config(*schedule)).rollout
+    assert [held.temperature_at(s) for s in steps] == [0.7, 0.7, 0.7, 0.9, 0.9, 1.1, 1.1]
+    linear = check_config(quick_config(*schedule, "rollout.temperature_ramp=linear")).rollout
+    assert [linear.temperature_at(s) for s in steps] == pytest.approx([0.7, 0.8, 0.89, 0.9, 1.0, 1.1, 1.1])
+    assert check_config(quick_config()).rollout.temperature_schedule is None  # off by default
+
+
 def test_greedy_is_deterministic_argmax_despite_the_model_config(hostile_dir):
     tok = load_tokenizer(str(hostile_dir))
     model = load_causal_lm(str(hostile_dir), dtype="float32")

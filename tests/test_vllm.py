@@ -49,12 +49,13 @@ def test_vllm_follows_the_policy_after_an_optimizer_step(setup):
 def test_vllm_training_run_and_mismatch_metrics(quick_config, tmp_path):
     """Three steps with vLLM sampling a model whose generation_config.json would change every sampling
     field: none leaks in (the engine's `generation_config="vllm"`), so the sampler's log-probs are the
-    trainer's and the truncated importance weights 1 (tests/test_sampler.py has the HF engine's case)."""
+    trainer's and the truncated importance weights 1 (tests/test_sampler.py has the HF engine's case), also
+    once a temperature schedule moved the sampler to 0.5 at step 2."""
     base = quick_config()
     model = ensure_tiny_model(base.model, base.task, instantiate(base.task))
     hostile = copy_model(model, tmp_path / "hostile", generation=HOSTILE_GENERATION_CONFIG)
     cfg = quick_config("rollout=vllm", "rl.steps=3", "loss.tis_cap=2.0", f"model.name_or_path={hostile}",
-                       output_dir=tmp_path / "run")  # fmt: skip
+                       "rollout.temperature_schedule={2: 0.5}", output_dir=tmp_path / "run")  # fmt: skip
     summary = train(cfg)
     assert summary["optimizer_steps"] == 3
     import json
@@ -62,6 +63,8 @@ def test_vllm_training_run_and_mismatch_metrics(quick_config, tmp_path):
     history = json.loads((tmp_path / "run" / "metrics.json").read_text())["history"]
     assert max(v for _, v in history["train/sampler_logratio_max"]) < 1e-3
     assert all(abs(v - 1) < 1e-3 for _, v in history["train/tis_weight_mean"])
+    base_temperature = cfg.rollout.temperature
+    assert [v for _, v in history["rollout/temperature"]] == pytest.approx([base_temperature] * 2 + [0.5])
 
 
 @pytest.fixture(scope="module")

@@ -151,6 +151,18 @@ def check_config(cfg: DictConfig) -> Settings:
             f"rl.samples_per_prompt={k} is too small for estimator={s.estimator.label}: its baseline needs "
             f"K >= {k_min} samples per prompt; set rl.samples_per_prompt={k_min} or more"
         )
+    if s.rl.prompt_pools.enabled and s.rollout.max_staleness:
+        raise ConfigError(
+            f"rl.prompt_pools with rollout.max_staleness={s.rollout.max_staleness} is not supported yet (a "
+            "rollout sampled ahead would be drawn from pools that its own step has not seen): set "
+            "rollout.max_staleness=0 or rl.prompt_pools.enabled=false"
+        )
+    if s.rollout.temperature_schedule and s.rollout.max_staleness:
+        raise ConfigError(
+            f"rollout.temperature_schedule with rollout.max_staleness={s.rollout.max_staleness} is not "
+            "supported yet (a sampler process samples at the temperature it was built with): set "
+            "rollout.max_staleness=0 or rollout.temperature_schedule=null"
+        )
     buffer, limit = s.reward.overlong.buffer, s.completion_tokens
     if buffer > limit:
         name = "tools.max_tokens" if s.tools.max_turns else "rollout.max_new_tokens"

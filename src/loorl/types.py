@@ -108,6 +108,8 @@ class RolloutBatch:
     # sum (GDPO; NaN: unscorable), in `reward_part_names`' order
     reward_part_names: tuple[str, ...] = ()  # the D parts: reward.functions' names (and `overlong`)
     reward_part_weights: tuple[float, ...] = ()  # their weights in the sum
+    temperature: float | None = None  # the sampling temperature that drew the rows, which the trainer scores
+    # them at (`rollout.temperature_schedule`); None: the run's one temperature (`rollout.temperature`)
 
     @property
     def num_groups(self) -> int:

@@ -93,6 +93,7 @@ class RolloutDataModule(L.LightningDataModule):
             seed=seed,
             trainer=self._trainer,
             greedy_baseline="baselines" in needs,
+            temperature_at=rollout.temperature_at if rollout.temperature_schedule else None,
         )
         # rollout.max_staleness > 0: the next steps' rollouts, sampled ahead
         self.ahead = SampleAhead(self.sampler, max_staleness=rollout.max_staleness, steps=rl.steps)
@@ -199,10 +200,14 @@ class RolloutDataModule(L.LightningDataModule):
         task = self.task.state_dict()  # what the steps trained on moved (not the rollouts sampled ahead)
         if task:  # (a curriculum's levels)
             state["task"] = task
+        if self.sampler.pools is not None:  # rl.prompt_pools: the pass rates behind the next draws
+            state["prompt_pools"] = self.sampler.pools.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
         self.task.load_state_dict(state.get("task", {}))
+        if self.sampler.pools is not None:
+            self.sampler.pools.load_state_dict(state.get("prompt_pools", {}))
         self.ahead.load_state_dict(state if self.settings.max_staleness else {})
 
     def teardown(self, stage: str) -> None:

@@ -47,6 +47,7 @@ def heldout_results(
     }
     if pass_k > 0:
         seed = sampler.sampler_seed("validation", step, prompts[0].text)  # this batch's own stream
+        sampler.use_step_temperature(step)  # rollout.temperature_schedule: the step's temperature
         sampled = sampler.generate(ids, n=eval_samples, seed=seed, **sampler.rows(prompts))
         if results["env_failures"] is not None:
             results["env_failures"] = results["env_failures"] + environment_failures(sampled)  # [n]

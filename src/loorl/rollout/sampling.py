@@ -17,6 +17,7 @@ from loorl.parallel.distributed import rank_and_world, rank_block
 from loorl.rollout.engines.base import RolloutEngine
 from loorl.rollout.grading import Grader, Outcomes
 from loorl.rollout.multi_turn import row_of
+from loorl.rollout.prompt_pools import PromptPools, group_counts
 from loorl.settings import RLSettings
 from loorl.types import Completion, Prompt, Rollout
 from loorl.util.profiling import PhaseClock
@@ -53,11 +54,19 @@ class StepSampler:
         seed: int,
         trainer: Callable[[], object],
         greedy_baseline: bool = False,
+        temperature_at: Callable[[int], float] | None = None,
     ) -> None:
         self.engine, self.grader, self.rl = engine, grader, rl
         self.greedy_baseline = greedy_baseline  # a greedy completion of each prompt beside its K (ReMax)
+        self.temperature_at = temperature_at  # rollout.temperature_schedule: step -> temperature; None: none
         self.task, self.tokenizer = grader.task, grader.tokenizer
         self.max_prompt_length, self.seed, self.trainer = max_prompt_length, seed, trainer
+        self.pools = (  # rl.prompt_pools: which of the task's prompts a step spends its samples on
+            PromptPools(rl.prompt_pools, samples_per_prompt=rl.samples_per_prompt)
+            if rl.prompt_pools.enabled
+            else None
+        )
+        self._pooled: dict[tuple[int, int], tuple[list[str], dict]] = {}  # (step, round): keys, choice stats
 
     # ---- prompts -------------------------------------------------------------------------------
     def encode_prompts(self, prompts: list[Prompt]) -> list[list[int]]:
@@ -79,7 +88,15 @@ class StepSampler:
         same ones. The step draws B prompts; each of the W ranks takes its block of B/W (together
         they are the B prompts of one process, no prompt twice, none left out). `round` > 0: a further
         round of dynamic sampling, B more prompts, a pure function of (seed, step, round)."""
-        prompts = self.task.prompts_for_round(step, round, self.rl.prompts_per_step, seed=self.seed)
+        n = self.rl.prompts_per_step
+        if self.pools is None:
+            prompts = self.task.prompts_for_round(step, round, n, seed=self.seed)
+        else:  # candidates x B of the task's draw, B kept by the pools (the same on every rank)
+            candidates = self.task.prompts_for_round(step, round, n * self.pools.s.candidates, seed=self.seed)
+            keys = [self.task.pass_rate_key(p) for p in candidates]
+            chosen, stats = self.pools.choose(candidates, keys, n, seed=self.seed, step=step, round=round)
+            prompts = [candidates[i] for i in chosen]
+            self._pooled[(step, round)] = ([keys[i] for i in chosen], stats)
         return [prompts[i] for i in rank_block(len(prompts), *rank_and_world())]
 
     def rows(self, prompts: list[Prompt]) -> dict:
@@ -88,6 +105,15 @@ class StepSampler:
         return {"rows": [row_of(p) for p in prompts]} if self.engine.takes_rows else {}
 
     # ---- sampling ------------------------------------------------------------------------------
+    def use_step_temperature(self, step: int) -> float | None:
+        """The engine set to sample at step `step`'s temperature (`rollout.temperature_schedule`), which
+        is returned; None (and the engine untouched) without a schedule."""
+        if self.temperature_at is None:
+            return None
+        temperature = self.temperature_at(step)
+        self.engine.use_temperature(temperature)
+        return temperature
+
     def precision(self) -> AbstractContextManager:
         """The context the engine generates in (`engine_precision`)."""
         return engine_precision(self.engine, self.trainer())
@@ -127,6 +153,7 @@ class StepSampler:
         """K completions of each prompt sampled with `seed` (and a greedy one, with `greedy_baseline`),
         graded, assembled into a batch and observed by the task."""
         prompt_ids = self.encode_prompts(prompts)
+        temperature = self.use_step_temperature(step)
         clock = PhaseClock()
         k, greedy = self.rl.samples_per_prompt, None
         with clock.phase("gen"):
@@ -136,6 +163,9 @@ class StepSampler:
                 groups = self.generate(prompt_ids, n=k, seed=seed, **self.rows(prompts))
         rollout, outcomes = self.graded_rollout(prompts, prompt_ids, groups, gen_seconds=clock.seconds["gen"],
                                                 step=step, greedy=greedy)  # fmt: skip
+        if temperature is not None:  # the trainer scores the rows at the temperature that drew them
+            rollout.batch.temperature = temperature
+            rollout.stats["rollout/temperature"] = temperature
         return self.observed(rollout, outcomes)
 
     def sample_round(self, step: int, round: int = 0) -> Rollout:
@@ -143,4 +173,9 @@ class StepSampler:
         rounds), K completions each from the engine's current weights, graded and observed."""
         phase = ("rollout", step) if round == 0 else ("rollout", step, round)
         prompts = self.prompts_for_step(step, round)
-        return self.sample_and_grade(prompts, seed=self.sampler_seed(*phase), step=step)
+        rollout = self.sample_and_grade(prompts, seed=self.sampler_seed(*phase), step=step)
+        if self.pools is not None:  # every rank's groups update the pools alike
+            keys, stats = self._pooled.pop((step, round))
+            right, scored = group_counts(rollout.batch)  # [W*B], [W*B] in the order of `keys`
+            rollout.stats |= stats | self.pools.observe(keys, right.tolist(), scored.tolist())
+        return rollout

@@ -32,6 +32,9 @@ class RolloutSettings(Section):
     target: str | None = None  # `_target_` in YAML: package.module.Class, a RolloutEngine subclass
     max_new_tokens: PositiveInt = 16
     temperature: PositiveFloat = 1.0
+    # later temperatures by RL step: {20: 0.9, 40: 1.1} (the step a rollout trains at -> its temperature)
+    temperature_schedule: dict[int, PositiveFloat] | None = None
+    temperature_ramp: Literal["step", "linear"] = "step"  # step: stages | linear: between the anchors
     top_p: Fraction = 1.0
     top_k: NonNegativeInt = 0  # 0: off
     truncated: TruncatedMode = "score"
@@ -47,11 +50,28 @@ class RolloutSettings(Section):
     devices: str = "auto"  # the one-step-off sampler's place: auto | trainer | cpu:<cores> | cuda:<gpu>
 
     def __post_init__(self) -> None:
+        if any(step < 1 for step in self.temperature_schedule or {}):
+            raise ConfigError(
+                f"rollout.temperature_schedule has step {min(self.temperature_schedule)}: its steps start at "
+                "1 (step 0 samples at rollout.temperature)"
+            )
         if self.target is None and self.engine not in ENGINES:
             raise ConfigError(
                 f"unknown rollout.engine '{self.engine}'; choose one of: {', '.join(ENGINES)} "
                 "(or rollout._target_=<package.module.Class> for your own RolloutEngine)"
             )
+
+    def temperature_at(self, step: int) -> float:
+        """The sampling temperature of the rollout RL step `step` trains on: `temperature` from step 0, then
+        `temperature_schedule`'s anchors, held until the next one (`temperature_ramp=step`, Polaris'
+        stages) or interpolated linearly between them (`linear`; the last one held)."""
+        anchors = sorted({0: self.temperature, **(self.temperature_schedule or {})}.items())
+        before = [(s, t) for s, t in anchors if s <= step][-1]
+        after = next(((s, t) for s, t in anchors if s > step), None)
+        if self.temperature_ramp == "step" or after is None:
+            return float(before[1])
+        (s0, t0), (s1, t1) = before, after
+        return float(t0 + (t1 - t0) * (step - s0) / (s1 - s0))
 
     @property
     def sampling(self) -> SamplingConfig:

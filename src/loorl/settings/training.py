@@ -63,6 +63,39 @@ class DynamicSamplingSettings(Section):
 
 
 @dataclass(frozen=True, config=SCHEMA)
+class PoolWeights(Section):
+    """`rl.prompt_pools.weights`: how often a step's slot is filled from each pool."""
+
+    easy: NonNegativeFloat = 0.0
+    normal: NonNegativeFloat = 1.0
+    hard: NonNegativeFloat = 0.0
+
+
+@dataclass(frozen=True, config=SCHEMA)
+class PromptPoolSettings(Section):
+    """`rl.prompt_pools`: pass-rate prompt pools (`loorl.rollout.prompt_pools`)."""
+
+    enabled: bool = False  # off: the task's own draw, exactly the run without it
+    candidates: PositiveInt = 4  # the step draws candidates x B prompts and keeps B of them
+    easy_at: UnitInterval = 1.0  # a key whose pass rate is at least this is easy
+    hard_at: UnitInterval = 0.0  # ... at most this, hard; between, or never seen, normal
+    weights: PoolWeights = PoolWeights()
+    decay: UnitInterval = 0.5  # a key's counts are multiplied by this before a round's are added
+    retire_at: UnitInterval | None = None  # a key at or above this pass rate is never drawn again; None: off
+    retire_after: PositiveInt = 4  # scored samples (decayed) a key needs behind it before it may retire
+
+    def __post_init__(self) -> None:
+        if self.hard_at >= self.easy_at:
+            raise ConfigError(
+                f"rl.prompt_pools.hard_at={self.hard_at} must be below rl.prompt_pools.easy_at={self.easy_at}"
+                " (hard: pass rate at most hard_at; easy: at least easy_at)"
+            )
+        w = self.weights
+        if w.easy + w.normal + w.hard <= 0:
+            raise ConfigError("rl.prompt_pools.weights are all 0: give at least one pool a positive weight")
+
+
+@dataclass(frozen=True, config=SCHEMA)
 class RLSettings(Section):
     """`rl`: the shape of one RL iteration."""
 
@@ -77,6 +110,7 @@ class RLSettings(Section):
     microbatch_tokens: PositiveInt | None = None  # packed micro-batches of at most this many real tokens
     logprob_chunk_tokens: PositiveInt = 512  # token positions per chunk of output-layer logits
     dynamic_sampling: DynamicSamplingSettings = DynamicSamplingSettings()  # off: one round per step
+    prompt_pools: PromptPoolSettings = PromptPoolSettings()  # off: the task's own draw
 
     def __post_init__(self) -> None:
         if self.prompts_per_step % self.prompts_per_minibatch:

@@ -121,6 +121,12 @@ class Task(ABC):
         with the step. Default: nothing."""
         return {}
 
+    def pass_rate_key(self, prompt: Prompt) -> str:
+        """What pass-rate prompt pools (`rl.prompt_pools`) keep a pass rate for: the prompt itself
+        (its text) by default. A procedural task whose prompts rarely repeat keys them by what they share
+        instead, such as a source and difficulty level (task=reasoning_gym)."""
+        return prompt.text
+
     def state_dict(self) -> dict:
         """What `observe` changed, as plain values (ints, floats, strings, lists, dicts: a checkpoint
         is loaded with `weights_only=True`), kept in every checkpoint; a resume restores it."""

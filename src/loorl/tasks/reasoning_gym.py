@@ -329,6 +329,12 @@ class ReasoningGymTask(Task):
             stats["rollout/skipped_long_prompts"] = float(self.skipped_long)
         return stats
 
+    def pass_rate_key(self, prompt: Prompt) -> str:
+        """Generated questions rarely repeat: pass-rate pools (`rl.prompt_pools`) keep one pass rate per
+        dataset and level, `<dataset>@L<level>` (`<dataset>` for one without levels)."""
+        level = prompt.meta.get("level")
+        return prompt.meta["dataset"] + ("" if level is None else f"@L{level}")
+
     def state_dict(self) -> dict:
         """The curriculum's state and the count of long prompts skipped so far (logged as a running
         total: a resumed run goes on counting from the checkpoint's)."""

@@ -154,6 +154,13 @@ class PolicyGradientModule(L.LightningModule):
 
     # ---- what the learner adds to a rollout ----------------------------------------------------
     @torch.no_grad()
+    def sampling_of(self, batch: RolloutBatch) -> SamplingConfig:
+        """The distribution that drew the batch's rows: the run's, at the batch's temperature where
+        `rollout.temperature_schedule` moved it."""
+        if batch.temperature is None or batch.temperature == self.sampling.temperature:
+            return self.sampling
+        return replace(self.sampling, temperature=batch.temperature)
+
     def with_advantages(
         self, batch: RolloutBatch, *, stale: bool = False
     ) -> tuple[RolloutBatch, dict[str, float]]:
@@ -167,7 +174,7 @@ class PolicyGradientModule(L.LightningModule):
         Returns the batch with them filled in, and the rollout metrics they give. Advances the KL
         controller with the measured KL."""
         score = {
-            "sampling": self.sampling,
+            "sampling": self.sampling_of(batch),
             "groups_per_pass": self.rl.prompts_per_microbatch,
             "share_prompt": self.rl.share_prompt,
             "microbatch_tokens": self.rl.microbatch_tokens,  # the same token budget as the training passes
@@ -283,7 +290,7 @@ class PolicyGradientModule(L.LightningModule):
                     logp, entropy = completion_scores(
                         self.policy,
                         sub,
-                        sampling=self.sampling,
+                        sampling=self.sampling_of(sub),
                         share_prompt=self.rl.share_prompt,
                         packed=self.rl.microbatch_tokens is not None,
                         chunk_tokens=self.rl.logprob_chunk_tokens,

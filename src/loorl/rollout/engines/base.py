@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -158,6 +158,12 @@ class RolloutEngine(ABC):
     def sleep(self) -> None:
         """Release memory the engine does not need while the policy trains (default: nothing)."""
         return None
+
+    def use_temperature(self, temperature: float) -> None:
+        """Sample at `temperature` from the next `generate` on (`rollout.temperature_schedule`). Default:
+        the sampling config's temperature replaced; an engine that builds its sampler's parameters once
+        overrides it, a wrapper passes it on to its inner engine."""
+        self.sampling = replace(self.sampling, temperature=temperature)
 
     @abstractmethod
     def generate(

@@ -67,6 +67,12 @@ class ProcessEngine(RolloutEngine):
     def sleep(self) -> None:
         self.inner.sleep()
 
+    def use_temperature(self, temperature: float) -> None:
+        """In this process only (validation): the process samples at the temperature it was built with,
+        so a schedule with `rollout.max_staleness > 0` is refused (`loorl.config`)."""
+        self.inner.use_temperature(temperature)
+        super().use_temperature(temperature)
+
     def generate(self, prompt_ids, *, n: int, greedy: bool = False, seed: int | None = None, **options):
         """In this process (validation), on every core: the request in flight is waited for first (the
         sampler is ahead of the trainer and mostly done by then), so that the process is idle while its

@@ -151,6 +151,10 @@ class ToolEngine(RolloutEngine):
     def sleep(self) -> None:
         self.inner.sleep()
 
+    def use_temperature(self, temperature: float) -> None:
+        self.inner.use_temperature(temperature)
+        super().use_temperature(temperature)
+
     def start(self) -> None:
         self.inner.start()
 

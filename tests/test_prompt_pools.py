@@ -1,0 +1,155 @@
+"""Pass-rate prompt pools (`rl.prompt_pools`): the pools by hand, the draw as a pure function of the
+run's seed, step and state, and the DataModule's rounds on the real tiny model (off: the task's own
+draw, unchanged)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fixtures import tiny_parts
+from loorl.build import build_datamodule
+from loorl.config import check_config
+from loorl.errors import ConfigError
+from loorl.rollout.prompt_pools import PromptPools
+from loorl.settings.training import PoolWeights, PromptPoolSettings
+from loorl.types import Prompt
+
+
+def _pools(**settings) -> PromptPools:
+    return PromptPools(PromptPoolSettings(enabled=True, **settings), samples_per_prompt=4)
+
+
+def _prompts(*texts: str) -> list[Prompt]:
+    return [Prompt(text=t, answer="") for t in texts]
+
+
+# ---- the pools by hand ---------------------------------------------------------------------------
+def test_pools_follow_the_decayed_pass_rate_and_retire():
+    pools = _pools(decay=0.5, retire_at=0.9, retire_after=6)
+    sizes = pools.observe(["a", "b", "c", "a"], right=[4, 0, 2, 4], scored=[4, 4, 4, 4])
+    # a: 8 of 8 (two groups this round), b: 0 of 4, c: 2 of 4
+    assert pools.records == {"a": [8.0, 8.0], "b": [0.0, 4.0], "c": [2.0, 4.0]}
+    assert [pools.pool_of(k) for k in "abcd"] == ["retired", "hard", "normal", "normal"]  # d: never seen
+    assert sizes == {"pools/easy": 0.0, "pools/normal": 1.0, "pools/hard": 1.0, "pools/retired": 1.0}
+    # decay 0.5: c's 2 of 4 becomes 1 of 2, then 4 of 4 more: 5 of 6, not yet 0.9; b: 0 of 2 + 4 of 4
+    pools.observe(["c", "b"], right=[4, 4], scored=[4, 4])
+    assert pools.records["c"] == [5.0, 6.0] and pools.pool_of("c") == "normal"
+    assert pools.records["b"] == [4.0, 6.0] and pools.pass_rate("b") == pytest.approx(2 / 3)
+    # a group with 3 of 4 right keeps a key easy only at easy_at <= 0.75
+    easy = _pools(easy_at=0.75)
+    easy.observe(["x"], right=[3], scored=[4])
+    assert easy.pool_of("x") == "easy" and "x" not in easy.retired  # retire_at off (None)
+    # unscorable samples count in neither: 2 right of 2 scored is all right
+    easy.observe(["y"], right=[2], scored=[2])
+    assert easy.pass_rate("y") == 1.0
+
+
+def test_a_retired_key_needs_enough_samples_behind_it():
+    pools = _pools(decay=1.0, retire_at=0.9, retire_after=8)
+    pools.observe(["a"], right=[4], scored=[4])
+    assert pools.pool_of("a") == "easy"  # 4 samples: too few to retire
+    pools.observe(["a"], right=[4], scored=[4])
+    assert pools.pool_of("a") == "retired"
+
+
+def test_the_draw_fills_slots_by_pool_weight_then_candidate_order():
+    pools = _pools(weights=PoolWeights(easy=0.0, normal=1.0, hard=0.0), retire_at=1.0)
+    pools.observe(["e1", "h1", "r1"], right=[4, 0, 4], scored=[4, 4, 4])
+    pools.retired.discard("e1")  # e1 easy, h1 hard, r1 retired
+    keys = ["e1", "n1", "h1", "n2", "r1", "n3"]
+    chosen, stats = pools.choose(_prompts(*keys), keys, 3, seed=0, step=5, round=0)
+    assert [keys[i] for i in chosen] == ["n1", "n2", "n3"]  # weight 0: easy and hard wait
+    assert stats == {"pools/drawn_easy": 0.0, "pools/drawn_normal": 3.0, "pools/drawn_hard": 0.0,
+                     "pools/retired_drawn": 0.0}  # fmt: skip
+    # more slots than normal candidates: the weight-0 pools, then a retired one rather than a short step
+    chosen, stats = pools.choose(_prompts(*keys), keys, 6, seed=0, step=5, round=0)
+    assert sorted(keys[i] for i in chosen) == sorted(keys) and keys[chosen[-1]] == "r1"
+    assert stats["pools/retired_drawn"] == 1.0 and stats["pools/drawn_normal"] == 3.0
+    assert len(pools.choose(_prompts(*keys), keys, 9, seed=0, step=5, round=0)[0]) == 6  # no candidate twice
+
+
+def test_the_draw_follows_the_weights_and_is_a_pure_function_of_seed_step_and_round():
+    pools = _pools(weights=PoolWeights(easy=1.0, normal=0.0, hard=3.0))
+    easy, hard = [f"e{i}" for i in range(400)], [f"h{i}" for i in range(400)]
+    pools.observe(easy + hard, right=[4] * 400 + [0] * 400, scored=[4] * 800)
+    keys = [k for pair in zip(easy, hard) for k in pair]
+    chosen, _ = pools.choose(_prompts(*keys), keys, 400, seed=3, step=7, round=1)
+    share_hard = sum(keys[i].startswith("h") for i in chosen) / 400
+    assert 0.70 < share_hard < 0.80  # 3:1 (binomial sd 0.02)
+    again, _ = pools.choose(_prompts(*keys), keys, 400, seed=3, step=7, round=1)
+    other, _ = pools.choose(_prompts(*keys), keys, 400, seed=3, step=7, round=2)
+    assert again == chosen and other != chosen
+
+
+def test_the_state_round_trips_as_plain_values():
+    pools = _pools(retire_at=0.9)
+    pools.observe(["a", "b"], right=[4, 1], scored=[4, 4])
+    state = pools.state_dict()
+    assert state == {"records": {"a": [4.0, 4.0], "b": [1.0, 4.0]}, "retired": ["a"]}
+    restored = _pools(retire_at=0.9)
+    restored.load_state_dict(state)
+    assert restored.records == pools.records and restored.retired == pools.retired
+
+
+# ---- settings ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["rl.prompt_pools.hard_at=0.8", "rl.prompt_pools.easy_at=0.5"], "rl.prompt_pools.hard_at=0.8"),
+        (["rl.prompt_pools.weights.normal=0"], "rl.prompt_pools.weights are all 0"),
+        (
+            ["rl.prompt_pools.enabled=true", "rollout.max_staleness=1"],
+            "rl.prompt_pools with rollout.max_staleness",
+        ),
+    ],
+)
+def test_bad_pool_settings_fail_in_one_line(quick_config, overrides, words):
+    with pytest.raises(ConfigError) as err:
+        check_config(quick_config(*overrides))
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+# ---- the DataModule on the tiny model ------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny(quick_config):
+    return tiny_parts(quick_config())
+
+
+def _datamodule(quick_config, tiny, *overrides):
+    _, task, path, tok, model = tiny
+    dm = build_datamodule(quick_config(*overrides), task, tok, path)
+    dm.engine.sync(model)
+    return dm
+
+
+def test_off_the_step_draws_the_tasks_prompts(quick_config, tiny):
+    dm = _datamodule(quick_config, tiny)
+    assert dm.sampler.pools is None and "prompt_pools" not in dm.state_dict()
+    b = dm.rl.prompts_per_step
+    drawn = [p.text for p in dm.sampler.prompts_for_step(3)]
+    assert drawn == [p.text for p in dm.task.prompts_for_round(3, 0, b, seed=dm.seed)]
+
+
+def test_the_datamodule_learns_pass_rates_and_resumes_its_draws(quick_config, tiny):
+    """Real samples of the tiny model: each round updates the pools from its groups; a DataModule given
+    the checkpointed state draws the next step's prompts exactly as the one that went on."""
+    pools_on = ("rl.prompt_pools.enabled=true", "rl.prompt_pools.retire_at=0.5", "rl.prompt_pools.decay=1.0")
+    dm = _datamodule(quick_config, tiny, *pools_on)
+    b, k = dm.rl.prompts_per_step, dm.rl.samples_per_prompt
+    candidates = dm.task.prompts_for_round(0, 0, b * 4, seed=dm.seed)
+    rollout = dm.rollout_for_step(0)
+    drawn = dm.sampler.prompts_for_step  # (a draw is logged per round; the round's prompts, again:)
+    stats = rollout.stats
+    assert sum(stats[f"pools/drawn_{p}"] for p in ("easy", "normal", "hard")) == b  # nothing seen: normal
+    right = rollout.batch.correct.view(b, k).nansum(-1)  # [B]
+    keys = [dm.task.pass_rate_key(p) for p in candidates[:b]]  # no pool yet: the first B candidates
+    assert dm.sampler.pools.records == {key: [float(r), float(k)] for key, r in zip(keys, right.tolist())}
+    assert stats["pools/retired"] == float((right >= k / 2).sum())  # retire_at 0.5
+    state = dm.state_dict()
+    resumed, fresh = _datamodule(quick_config, tiny, *pools_on), _datamodule(quick_config, tiny, *pools_on)
+    resumed.load_state_dict(state)
+    for step in (0, 1):  # step 0's candidates again: what the pools learned moves the draw
+        assert [p.text for p in resumed.sampler.prompts_for_step(step)] == [p.text for p in drawn(step)]
+    assert [p.text for p in drawn(0)] != [p.text for p in fresh.sampler.prompts_for_step(0)]
+    retired = dm.sampler.pools.retired
+    assert retired and not retired & {dm.task.pass_rate_key(p) for p in drawn(0)}
