@@ -165,6 +165,24 @@ def test_run_i_of_every_setting_draws_the_same_prompts_in_the_same_order(which_e
     assert streams["rloo", 0] != streams["rloo", 1]
 
 
+def test_the_exploration_study_changes_one_tool_a_setting_on_the_recipe():
+    """conf/study/exploration.yaml: every setting is experiment=smollm2_arithmetic with one of the field's
+    tools against collapsing exploration; the same steps, prompts and samples a step (the same budget)."""
+    study = load_study("exploration")
+    lines = []
+    (part,) = study.parts
+    check_part(part, echo=lines.append)
+    text = "\n".join(lines)
+    assert (
+        "temperature_1: rollout.temperature: 0.7 -> 1.0\n" in text
+        and "no_grad_clip: loss.max_grad_norm" in text
+    )
+    assert "w_reinforce: estimator.name: rloo -> w_reinforce;" in text
+    assert not any(key in text for key in ("rl.steps", "rl.prompts_per_step", "rl.samples_per_prompt"))
+    assert len(part.settings) == 12 and len(part.seeds) == 3 and part.pairing == "seeds"
+    assert ("w_reinforce", "recipe") in part.comparisons  # every setting against the recipe
+
+
 def test_the_curriculum_study_evaluates_the_same_held_out_sets_in_every_setting():
     """conf/study/curriculum.yaml: its settings differ only in how the training level moves; each
     setting's task, built from its resolved config, holds out the same problems at levels 0, 1 and 2,
@@ -298,8 +316,9 @@ def test_the_report_is_written_from_the_runs(quick_study):
         "**RLOO and GRPO on the quick profile**, by held-out accuracy AUC"
         in (report / "headline.md").read_text()
     )
-    for png in ("estimators_accuracy.png", "estimators_length.png"):
+    for png in ("estimators_accuracy.png", "estimators_length.png", "estimators_dynamics.png"):
         assert (report / png).stat().st_size > 10_000
+    assert "![dynamics](report/estimators_dynamics.png)" in text  # entropy, spread, gradient norm
 
 
 @pytest.mark.slow  # a run with checkpoints and two probes, about 40 s more

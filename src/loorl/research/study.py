@@ -36,6 +36,7 @@ PART_KEYS = {
     "compare",
     "probe",
     "lengths",
+    "dynamics",
     "pairing",
     "metrics",
 }
@@ -75,6 +76,7 @@ class Part:
     comparisons: list[tuple[str, str]]  # (a, b): a - b per seed
     probe: dict = field(default_factory=dict)
     lengths: bool = False  # also the length of correct and wrong answers along training
+    dynamics: bool = False  # also entropy, groups without spread and gradient norm along training
     plan: list[str] = field(default_factory=list)  # how the settings' configs differ (check_part)
     pairing: str = "prompts"  # PAIRINGS: what run i of every setting shares (check_pairing)
     metrics: list[str] = field(default_factory=lambda: list(METRICS))  # compared: final|auc[/<dataset>]
@@ -164,7 +166,7 @@ def _part(study: str, name: str, spec: dict, max_seeds: int | None, extra: list[
             raise ConfigError(f"{where}.probe: keys {', '.join(sorted(PROBE_KEYS))} (every is required)")
     part = Part(name, spec.get("title", name), kind, seeds, settings, list(spec.get("may_differ") or []),
                 comparisons, probe_spec, bool(spec.get("lengths", False)), pairing=pairing,
-                metrics=metrics)  # fmt: skip
+                metrics=metrics, dynamics=bool(spec.get("dynamics", False)))  # fmt: skip
     if kind == "probe":
         try:
             probe_options(part, None).check()

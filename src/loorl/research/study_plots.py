@@ -1,6 +1,6 @@
 """A study part's plots: held-out accuracy against samples drawn and RL-step minutes (all datasets and
-each), and the length of wrong and correct rollout answers along training; the mean over seeds with
-its 95% band."""
+each), the length of wrong and correct rollout answers along training, and (`dynamics`) entropy, groups
+without spread and gradient norm along training; the mean over seeds with its 95% band."""
 
 from __future__ import annotations
 
@@ -76,28 +76,49 @@ def plot_accuracy(part: Part, jobs, samples_per_step: dict[str, int], path: Path
     plt.close(fig)
 
 
-def plot_length(part: Part, jobs, path: Path) -> None:
+def plot_over_steps(part: Part, jobs, panels: list[tuple[str, str, str]], title: str, path: Path) -> None:
+    """One panel per (metric key, panel title, y label): each setting's metric against the RL step, the
+    mean over seeds with its 95% band (a setting whose runs lack the metric is left out of the panel)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    axes = axes.ravel()
     colors = plt.get_cmap("tab10")
     for i, setting in enumerate(part.settings):
         runs = list(jobs[setting.label].values())
-        for ax, verdict in zip(axes, ("wrong", "correct")):
-            key = f"rollout/completion_len_{verdict}"
+        for ax, (key, _, _) in zip(axes, panels):
             if runs and all(j.history.get(key) for j in runs):
                 steps, values = aligned(runs, key)
                 band(ax, steps, values, setting.label, colors(i % 10), **STYLE)
-    for ax, verdict in zip(axes, ("wrong", "correct")):
-        ax.set_title(f"{verdict} answers", fontsize=10)
+    for ax, (_, panel, ylabel) in zip(axes, panels):
+        ax.set_title(panel, fontsize=10)
         ax.set_xlabel("RL step")
-        ax.set_ylabel("mean completion length (tokens)")
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"Length of rollout answers: {part.title} (band: 95% CI over seeds)", fontsize=11)
+    fig.suptitle(f"{title}: {part.title} (band: 95% CI over seeds)", fontsize=11)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_length(part: Part, jobs, path: Path) -> None:
+    """The length of wrong and of correct rollout answers along training."""
+    panels = [(f"rollout/completion_len_{v}", f"{v} answers", "mean completion length (tokens)")
+              for v in ("wrong", "correct")]  # fmt: skip
+    plot_over_steps(part, jobs, panels, "Length of rollout answers", path)
+
+
+DYNAMICS = [  # what a part with `dynamics: true` plots along training
+    ("train/entropy", "entropy of the trained tokens", "nats a token"),
+    ("rollout/zero_std_group_frac", "groups without reward spread", "share of the step's groups"),
+    ("train/grad_norm", "gradient norm (before clipping)", "L2 norm"),
+]
+
+
+def plot_dynamics(part: Part, jobs, path: Path) -> None:
+    """Entropy, the share of groups without spread and the gradient norm along training."""
+    plot_over_steps(part, jobs, DYNAMICS, "Exploration along training", path)

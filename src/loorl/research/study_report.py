@@ -19,7 +19,7 @@ from loorl.research.probe import read_results
 from loorl.research.stats import mean_ci
 from loorl.research.study import Part
 from loorl.research.study_pairing import check_pairing
-from loorl.research.study_plots import plot_accuracy, plot_length
+from loorl.research.study_plots import plot_accuracy, plot_dynamics, plot_length
 from loorl.research.study_runs import did_all_steps, probe_folder, run_dir
 from loorl.research.study_tables import (
     comparison_table,
@@ -167,6 +167,9 @@ def write_study_report(
         learning[part.name] = data
         clip = {label: info[2] for label, info in per_step[part.name].items()}
         text += [*grad_norm_table(part, jobs, clip), ""]
+        if part.dynamics:
+            text += [f"![dynamics]({images}/{part.name}_dynamics.png)", ""]
+            plot_dynamics(part, jobs, report_dir / f"{part.name}_dynamics.png")
         if levels := level_table(part, jobs):
             text += [*levels, ""]
         if part.lengths:
