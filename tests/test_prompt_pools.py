@@ -5,12 +5,15 @@ draw, unchanged)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from fixtures import tiny_parts
+from loorl.algo import estimators
+from loorl.algo.estimator_registry import AdvantageInput, merged_rows, unmerged
 from loorl.build import build_datamodule
 from loorl.config import check_config
 from loorl.errors import ConfigError
-from loorl.rollout.prompt_pools import PromptPools
+from loorl.rollout.prompt_pools import PromptPools, merge_ids
 from loorl.settings.training import PoolWeights, PromptPoolSettings
 from loorl.types import Prompt
 
@@ -60,7 +63,7 @@ def test_the_draw_fills_slots_by_pool_weight_then_candidate_order():
     chosen, stats = pools.choose(_prompts(*keys), keys, 3, seed=0, step=5, round=0)
     assert [keys[i] for i in chosen] == ["n1", "n2", "n3"]  # weight 0: easy and hard wait
     assert stats == {"pools/drawn_easy": 0.0, "pools/drawn_normal": 3.0, "pools/drawn_hard": 0.0,
-                     "pools/retired_drawn": 0.0}  # fmt: skip
+                     "pools/retired_drawn": 0.0, "pools/grown_groups": 0.0}  # fmt: skip
     # more slots than normal candidates: the weight-0 pools, then a retired one rather than a short step
     chosen, stats = pools.choose(_prompts(*keys), keys, 6, seed=0, step=5, round=0)
     assert sorted(keys[i] for i in chosen) == sorted(keys) and keys[chosen[-1]] == "r1"
@@ -153,3 +156,72 @@ def test_the_datamodule_learns_pass_rates_and_resumes_its_draws(quick_config, ti
     assert [p.text for p in drawn(0)] != [p.text for p in fresh.sampler.prompts_for_step(0)]
     retired = dm.sampler.pools.retired
     assert retired and not retired & {dm.task.pass_rate_key(p) for p in drawn(0)}
+
+
+# ---- a hard prompt's K grown (grow_groups) -------------------------------------------------------------
+def test_a_hard_candidate_takes_grow_groups_slots_within_the_budget():
+    pools = _pools(grow_groups=3, grow_budget=0.5, weights=PoolWeights(easy=0.0, normal=0.0, hard=1.0))
+    pools.observe(["h1", "h2", "h3"], right=[0, 0, 0], scored=[4, 4, 4])
+    keys = ["h1", "n1", "h2", "h3", "n2", "n3"]
+    chosen, stats = pools.choose(_prompts(*keys), keys, 6, seed=0, step=0, round=0)
+    # hard first (weight 1): h1 three times (2 extra), h2 twice (the budget of 3 extra slots runs out), h3
+    assert [keys[i] for i in chosen] == ["h1", "h1", "h1", "h2", "h2", "h3"]
+    assert stats["pools/grown_groups"] == 3.0 and stats["pools/drawn_hard"] == 3.0
+    assert merge_ids(chosen) == [0, 0, 0, 3, 3, 5] and merge_ids(chosen, offset=10)[0] == 10
+    off = _pools(weights=PoolWeights(easy=0.0, normal=0.0, hard=1.0))  # grow_groups=1: one slot each
+    off.observe(["h1", "h2", "h3"], right=[0, 0, 0], scored=[4, 4, 4])
+    assert off.choose(_prompts(*keys), keys, 6, seed=0, step=0, round=0)[1]["pools/grown_groups"] == 0.0
+
+
+def test_merged_groups_are_one_group_for_the_estimator():
+    """Two groups of K=2 with one id are one group of 4: RLOO's leave-one-out over all four samples; a
+    group of its own is as before. By hand, and against the unmerged estimator on one group per id."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 0.0])  # [N]: groups (1, 0) (0, 0) | (1, 0)
+    lengths = torch.tensor([3.0, 2.0, 4.0, 1.0, 2.0, 2.0])  # [N]
+    ids = torch.tensor([0, 0, 0, 0, 2, 2])  # [N]: the first two groups are one prompt
+    inp, index = merged_rows(rewards, lengths, ids)
+    assert index.tolist() == [[0, 1, 2, 3], [4, 5, -1, -1]] and inp.mask.tolist()[1] == [
+        True,
+        True,
+        False,
+        False,
+    ]
+    adv = unmerged(estimators.rloo(inp), index, len(rewards))  # [N]
+    torch.testing.assert_close(adv, torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3, 1.0, -1.0]))
+    # without merging, the all-wrong second group would teach nothing
+    plain = estimators.rloo(rewards.view(3, 2)).reshape(-1)
+    assert plain[2:4].tolist() == [0.0, 0.0]
+    for name in ("grpo", "dr_grpo", "opo", "w_reinforce"):  # each id alone is the estimator on that group
+        got = unmerged(estimators.get(name)(inp), index, len(rewards))
+        first = estimators.get(name)(AdvantageInput(rewards[:4].view(1, 4), lengths[:4].view(1, 4)))
+        torch.testing.assert_close(got[:4], first.view(-1))
+
+
+def test_a_grown_prompt_reaches_the_learner_as_one_group(quick_config):
+    """The DataModule marks a grown prompt's rows with one id (`estimator_groups`) and the learner's
+    advantages treat them as one group: step 0's prompts drawn again once the pools saw them."""
+    from fixtures import policy_and_rollouts
+
+    grow = [
+        f"rl.prompt_pools.{setting}"
+        for setting in (
+            "enabled=true",
+            "hard_at=0.5",
+            "grow_groups=2",
+            "grow_budget=1.0",
+            "weights.hard=1.0",
+            "decay=1.0",
+        )
+    ]
+    cfg, task, tok, module, dm = policy_and_rollouts(quick_config(*grow))
+    dm.engine.sync(module.policy)
+    first = dm.rollout_for_step(0)
+    assert first.stats["pools/grown_groups"] == 0 and first.batch.estimator_groups is not None
+    again = dm.rollout_for_step(0)  # the same candidates: those at most half right are hard now
+    batch, k = again.batch, dm.rl.samples_per_prompt
+    assert again.stats["pools/grown_groups"] > 0
+    ids = batch.estimator_groups.view(-1, k)[:, 0]  # [B] one id per group of K
+    assert len(set(ids.tolist())) < len(ids)  # some prompt holds two groups
+    prepared, _ = module.with_advantages(batch)
+    inp, index = merged_rows(batch.rewards, batch.completion_mask.sum(-1), batch.estimator_groups)
+    torch.testing.assert_close(prepared.advantages, unmerged(estimators.rloo(inp), index, len(batch.rewards)))

@@ -157,6 +157,20 @@ def check_config(cfg: DictConfig) -> Settings:
             "rollout sampled ahead would be drawn from pools that its own step has not seen): set "
             "rollout.max_staleness=0 or rl.prompt_pools.enabled=false"
         )
+    grow = s.rl.prompt_pools.grow_groups
+    if s.rl.prompt_pools.enabled and grow > 1:
+        if s.rl.dynamic_sampling.enabled:
+            raise ConfigError(
+                f"rl.prompt_pools.grow_groups={grow} with rl.dynamic_sampling is not supported yet (its "
+                "rounds keep or set aside groups of K, not a grown prompt's): set "
+                "rl.prompt_pools.grow_groups=1 or rl.dynamic_sampling.enabled=false"
+            )
+        if estimators.needs(s.estimator.function):
+            raise ConfigError(
+                f"rl.prompt_pools.grow_groups={grow} with estimator={s.estimator.label} is not supported "
+                "yet (it reads a greedy baseline or reward parts per group of K): set "
+                "rl.prompt_pools.grow_groups=1"
+            )
     if s.rollout.temperature_schedule and s.rollout.max_staleness:
         raise ConfigError(
             f"rollout.temperature_schedule with rollout.max_staleness={s.rollout.max_staleness} is not "

@@ -108,6 +108,8 @@ class RolloutBatch:
     # sum (GDPO; NaN: unscorable), in `reward_part_names`' order
     reward_part_names: tuple[str, ...] = ()  # the D parts: reward.functions' names (and `overlong`)
     reward_part_weights: tuple[float, ...] = ()  # their weights in the sum
+    estimator_groups: torch.Tensor | None = None  # [N] rows with equal ids are one group for the estimator
+    # (a prompt whose K `rl.prompt_pools.grow_groups` grew: several groups of K side by side); None: each K
     temperature: float | None = None  # the sampling temperature that drew the rows, which the trainer scores
     # them at (`rollout.temperature_schedule`); None: the run's one temperature (`rollout.temperature`)
 

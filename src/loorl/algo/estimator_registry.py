@@ -199,3 +199,35 @@ def _finish(
         adv = masked_whiten(adv, keep, eps=eps)  # [B, K]
     adv = torch.where(keep, adv, 0.0)  # [B, K]
     return torch.nan_to_num(adv, nan=0.0, posinf=0.0, neginf=0.0)  # [B, K]
+
+
+# ---- groups merged for the estimator (a prompt's K grown: several groups of K) ---------------------
+def merged_rows(
+    rewards: torch.Tensor, lengths: torch.Tensor, ids: torch.Tensor
+) -> tuple[AdvantageInput, torch.Tensor]:
+    """The samples [N] as groups by `ids` [N] (equal ids: one prompt, in order of first appearance), padded
+    to the largest with `mask` False, and the row each entry came from ([G, M], -1 on padding): what an
+    estimator sees when pass-rate pools grew a prompt's K to several groups of K (`rl.prompt_pools`)."""
+    members: dict[int, list[int]] = {}
+    for row, group in enumerate(ids.tolist()):
+        members.setdefault(group, []).append(row)
+    width = max(map(len, members.values()))
+    index = torch.full((len(members), width), -1, dtype=torch.long)  # [G, M]
+    for g, rows in enumerate(members.values()):
+        index[g, : len(rows)] = torch.tensor(rows)
+    mask, safe = index >= 0, index.clamp(min=0)  # [G, M], [G, M]
+    inp = AdvantageInput(
+        rewards=torch.where(mask, rewards[safe], torch.nan),  # [G, M]
+        lengths=torch.where(mask, lengths[safe], 0),  # [G, M]
+        group_ids=torch.arange(len(members)),  # [G]
+        mask=mask,
+    )
+    return inp, index
+
+
+def unmerged(advantages: torch.Tensor, index: torch.Tensor, n: int) -> torch.Tensor:
+    """Advantages [G, M] of `merged_rows`' groups back on the samples' rows: [n]."""
+    out = torch.zeros(n, dtype=advantages.dtype, device=advantages.device)  # [n]
+    keep = index >= 0  # [G, M]
+    out[index[keep]] = advantages[keep]
+    return out

@@ -59,14 +59,18 @@ class PromptPools:
         """The indices of the `n` candidates the step trains on, and what to log of the choice. A slot
         takes the next candidate of a pool drawn by `weights` among the pools with candidates left
         (a pool of weight 0 only once the others are empty); retired candidates only when nothing else
-        is left (counted as `pools/retired_drawn`)."""
+        is left (counted as `pools/retired_drawn`). With `grow_groups` G > 1 a hard candidate takes G
+        slots in a row (its K grown G-fold; `merge_ids` makes them one group for the estimator), until
+        the extra slots reach `grow_budget` of the step's (`pools/grown_groups`)."""
         queues: dict[str, list[int]] = {p: [] for p in (*POOLS, "retired")}
         for i, key in enumerate(keys):
             queues[self.pool_of(key)].append(i)
         rng = np.random.default_rng([seed, step, round, _POOLS_STREAM])
         weights = dict(zip(POOLS, (self.s.weights.easy, self.s.weights.normal, self.s.weights.hard)))
         chosen, drawn = [], dict.fromkeys((*POOLS, "retired"), 0)
-        for _ in range(min(n, len(candidates))):
+        extra = int(self.s.grow_budget * n) if self.s.grow_groups > 1 else 0  # slots grown groups may take
+        grown = 0
+        while len(chosen) < n and any(queues.values()):
             open_pools = [p for p in POOLS if queues[p]]
             if not open_pools:
                 pool = "retired"  # nothing else left: a retired prompt rather than a short step
@@ -76,8 +80,13 @@ class PromptPools:
                 pool = open_pools[int(rng.choice(len(open_pools), p=w))]
             chosen.append(queues[pool].pop(0))
             drawn[pool] += 1
+            if pool == "hard" and extra:  # its K grown: more groups of it, next to each other
+                more = min(self.s.grow_groups - 1, extra, n - len(chosen))
+                chosen += [chosen[-1]] * more
+                extra, grown = extra - more, grown + more
         stats = {f"pools/drawn_{p}": float(drawn[p]) for p in POOLS}
         stats["pools/retired_drawn"] = float(drawn["retired"])
+        stats["pools/grown_groups"] = float(grown)
         return chosen, stats
 
     # ---- learning the pass rates ---------------------------------------------------------------
@@ -114,6 +123,13 @@ class PromptPools:
     def load_state_dict(self, state: dict) -> None:
         self.records = {k: [float(x) for x in v] for k, v in state.get("records", {}).items()}
         self.retired = set(state.get("retired", []))
+
+
+def merge_ids(chosen: Sequence[int], offset: int = 0) -> list[int]:
+    """Each slot's merged group: the first slot holding the same candidate (a grown prompt's groups are
+    one group of G x K samples for the estimator), plus `offset`."""
+    first: dict[int, int] = {}
+    return [offset + first.setdefault(c, slot) for slot, c in enumerate(chosen)]
 
 
 def group_counts(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:

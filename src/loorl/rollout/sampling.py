@@ -17,7 +17,7 @@ from loorl.parallel.distributed import rank_and_world, rank_block
 from loorl.rollout.engines.base import RolloutEngine
 from loorl.rollout.grading import Grader, Outcomes
 from loorl.rollout.multi_turn import row_of
-from loorl.rollout.prompt_pools import PromptPools, group_counts
+from loorl.rollout.prompt_pools import PromptPools, group_counts, merge_ids
 from loorl.settings import RLSettings
 from loorl.types import Completion, Prompt, Rollout
 from loorl.util.profiling import PhaseClock
@@ -96,7 +96,7 @@ class StepSampler:
             keys = [self.task.pass_rate_key(p) for p in candidates]
             chosen, stats = self.pools.choose(candidates, keys, n, seed=self.seed, step=step, round=round)
             prompts = [candidates[i] for i in chosen]
-            self._pooled[(step, round)] = ([keys[i] for i in chosen], stats)
+            self._pooled[(step, round)] = ([keys[i] for i in chosen], stats, merge_ids(chosen))
         return [prompts[i] for i in rank_block(len(prompts), *rank_and_world())]
 
     def rows(self, prompts: list[Prompt]) -> dict:
@@ -175,7 +175,11 @@ class StepSampler:
         prompts = self.prompts_for_step(step, round)
         rollout = self.sample_and_grade(prompts, seed=self.sampler_seed(*phase), step=step)
         if self.pools is not None:  # every rank's groups update the pools alike
-            keys, stats = self._pooled.pop((step, round))
+            keys, stats, merged = self._pooled.pop((step, round))
             right, scored = group_counts(rollout.batch)  # [W*B], [W*B] in the order of `keys`
             rollout.stats |= stats | self.pools.observe(keys, right.tolist(), scored.tolist())
+            if self.pools.s.grow_groups > 1:  # a grown prompt's groups: one group for the estimator
+                mine = [merged[i] for i in rank_block(len(merged), *rank_and_world())]  # [B/W]
+                rows = torch.tensor(mine, dtype=torch.long).repeat_interleave(self.rl.samples_per_prompt)
+                rollout.batch.estimator_groups = rows  # [N]
         return rollout

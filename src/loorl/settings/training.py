@@ -83,6 +83,10 @@ class PromptPoolSettings(Section):
     decay: UnitInterval = 0.5  # a key's counts are multiplied by this before a round's are added
     retire_at: UnitInterval | None = None  # a key at or above this pass rate is never drawn again; None: off
     retire_after: PositiveInt = 4  # scored samples (decayed) a key needs behind it before it may retire
+    grow_groups: PositiveInt = 1  # groups of K a hard key gets when drawn (its K grown); 1: off
+    grow_budget: UnitInterval = (
+        0.25  # the share of the step's prompts_per_step slots the extra groups may take
+    )
 
     def __post_init__(self) -> None:
         if self.hard_at >= self.easy_at:

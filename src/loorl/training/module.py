@@ -26,6 +26,7 @@ import torch
 from torchmetrics import MeanMetric, SumMetric
 
 from loorl.algo.entropy import EntropyCoefficient
+from loorl.algo.estimator_registry import merged_rows, unmerged
 from loorl.algo.estimators import AdvantageInput
 from loorl.algo.kl import AdaptiveKLController, FixedKLController, sequence_kl
 from loorl.algo.logprobs import FrozenReference, completion_logprobs, completion_scores
@@ -217,8 +218,12 @@ class PolicyGradientModule(L.LightningModule):
                 shaped = shaped - self.kl_controller.value * kl_seq  # [W*N]
             self.kl_controller.update(metrics["rollout/kl"], n_steps=len(kl_seq))
             batch = replace(batch, ref_logprobs=ref)
-        inputs = AdvantageInput.of_batch(everyone, shaped, lengths)  # [W*B, K] every rank's groups
-        advantages = self.advantage_fn(inputs, whiten=self.estimator.whiten).reshape(-1)  # [W*N]
+        if batch.estimator_groups is None:
+            inputs = AdvantageInput.of_batch(everyone, shaped, lengths)  # [W*B, K] every rank's groups
+            advantages = self.advantage_fn(inputs, whiten=self.estimator.whiten).reshape(-1)  # [W*N]
+        else:  # a prompt's K grown (rl.prompt_pools.grow_groups): its groups are one for the estimator
+            inputs, index = merged_rows(shaped, lengths, gather_rows(batch.estimator_groups))  # [G, M]
+            advantages = unmerged(self.advantage_fn(inputs, whiten=self.estimator.whiten), index, len(shaped))
         metrics["rollout/advantage_abs_mean"] = float(advantages.abs().mean())
         return replace(batch, advantages=advantages.view(world, -1)[rank]), metrics  # [N] this rank's
 
