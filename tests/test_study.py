@@ -179,7 +179,7 @@ def test_the_exploration_study_changes_one_tool_a_setting_on_the_recipe():
     )
     assert "w_reinforce: estimator.name: rloo -> w_reinforce;" in text
     assert not any(key in text for key in ("rl.steps", "rl.prompts_per_step", "rl.samples_per_prompt"))
-    assert len(part.settings) == 12 and len(part.seeds) == 3 and part.pairing == "seeds"
+    assert len(part.settings) == 13 and len(part.seeds) == 3 and part.pairing == "seeds"
     assert ("w_reinforce", "recipe") in part.comparisons  # every setting against the recipe
 
 
