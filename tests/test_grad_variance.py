@@ -95,8 +95,9 @@ def test_probe_shift_invariance_on_the_quick_model(model_cache, tmp_path):
     value = {(r["estimator"], r["shift"]): r["relative_variance"] for r in results["rows"]}
     names = {r["estimator"] for r in results["rows"]}
     assert names == {*READ_REWARDS_ONLY, "length_normalised_rloo", "batch_mean"}
-    # (r + c) / L is not r / L + const; GPG's alpha counts the non-zero rewards, which a shift changes
-    for name in names - {"reinforce", "length_normalised_rloo", "gpg"}:
+    # (r + c) / L is not r / L + const; GPG's alpha counts the non-zero rewards, which a shift changes;
+    # Weighted-REINFORCE's baseline is the fixed 1 / (1 + lambda), which a shift does not move
+    for name in names - {"reinforce", "length_normalised_rloo", "gpg", "w_reinforce"}:
         assert value[(name, 1.0)] == pytest.approx(value[(name, 0.0)], rel=1e-3), name
     assert value[("reinforce", 1.0)] > 1.5 * value[("reinforce", 0.0)]  # the shift adds pure noise
     assert 0 < value[("length_normalised_rloo", 0.0)] < float("inf")

@@ -154,7 +154,6 @@ class PolicyGradientModule(L.LightningModule):
         }
 
     # ---- what the learner adds to a rollout ----------------------------------------------------
-    @torch.no_grad()
     def sampling_of(self, batch: RolloutBatch) -> SamplingConfig:
         """The distribution that drew the batch's rows: the run's, at the batch's temperature where
         `rollout.temperature_schedule` moved it."""
@@ -162,6 +161,7 @@ class PolicyGradientModule(L.LightningModule):
             return self.sampling
         return replace(self.sampling, temperature=batch.temperature)
 
+    @torch.no_grad()
     def with_advantages(
         self, batch: RolloutBatch, *, stale: bool = False
     ) -> tuple[RolloutBatch, dict[str, float]]:
