@@ -19,7 +19,7 @@ from loorl.types import Prompt
 
 
 def _pools(**settings) -> PromptPools:
-    return PromptPools(PromptPoolSettings(enabled=True, **settings), samples_per_prompt=4)
+    return PromptPools(PromptPoolSettings(enabled=True, **settings))
 
 
 def _prompts(*texts: str) -> list[Prompt]:

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from loorl.parallel.distributed import gather_rows
+from loorl.rollout.dynamic_sampling import verdicts
 from loorl.types import Prompt, RolloutBatch
 
 POOLS = ("easy", "normal", "hard")
@@ -32,8 +33,8 @@ _POOLS_STREAM = zlib.crc32(b"prompt_pools")  # keeps the pools' choices apart fr
 class PromptPools:
     """The pools of one run. `settings`: `rl.prompt_pools` (`PromptPoolSettings`)."""
 
-    def __init__(self, settings, *, samples_per_prompt: int) -> None:
-        self.s, self.k = settings, samples_per_prompt
+    def __init__(self, settings) -> None:
+        self.s = settings
         self.records: dict[str, list[float]] = {}  # key -> [right, scored], decayed at each observation
         self.retired: set[str] = set()
 
@@ -135,7 +136,7 @@ def merge_ids(chosen: Sequence[int], offset: int = 0) -> list[int]:
 def group_counts(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's groups' right and scored samples ([W*B] each, in rank and group order) from the
     verifier's verdicts (`batch.correct`: 1, 0, NaN where it gave none). A collective."""
-    correct = batch.correct.view(-1, batch.samples_per_prompt)  # [B, K]
+    correct = verdicts(batch)  # [B, K]
     scored = ~correct.isnan()  # [B, K]
     local = torch.stack([torch.where(scored, correct, 0.0).sum(-1), scored.sum(-1).float()], dim=-1)  # [B, 2]
     every = gather_rows(local)  # [W*B, 2]

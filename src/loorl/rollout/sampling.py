@@ -62,9 +62,7 @@ class StepSampler:
         self.task, self.tokenizer = grader.task, grader.tokenizer
         self.max_prompt_length, self.seed, self.trainer = max_prompt_length, seed, trainer
         self.pools = (  # rl.prompt_pools: which of the task's prompts a step spends its samples on
-            PromptPools(rl.prompt_pools, samples_per_prompt=rl.samples_per_prompt)
-            if rl.prompt_pools.enabled
-            else None
+            PromptPools(rl.prompt_pools) if rl.prompt_pools.enabled else None
         )
         self._pooled: dict[tuple[int, int], tuple[list[str], dict]] = {}  # (step, round): keys, choice stats
 
