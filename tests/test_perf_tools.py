@@ -244,6 +244,20 @@ def test_benchmark_reads_both_systems_step_metrics_and_tables_them(tmp_path):
     assert "| tiny (3 steps) | loorl | 10.0 | 3.00 | 100 | 240 | 500 | 50.0% | 1.00x, 2.33x |" in text
 
 
+def test_paired_seeds_table_both_systems_per_seed():
+    bench = _script("bench_vs_trl")
+    assert not bench.parse_args([]).paired_seeds and bench.parse_args(["--paired-seeds"]).paired_seeds
+    rows = [
+        {"system": s, "work": "recipe", "run": i, "seed": i, "process_s": p, "accuracy": a}
+        for s, i, p, a in [("loorl", 0, 90.0, 0.7), ("trl", 0, 600.0, 0.745),
+                           ("loorl", 1, 80.0, 0.725), ("trl", 1, 640.0, 0.70)]
+    ]  # fmt: skip
+    text = bench.paired_table(rows)
+    assert "| recipe | 0 | 70.0% | 74.5% | -4.5 | 0.15 |" in text
+    assert "| recipe | 1 | 72.5% | 70.0% | +2.5 | 0.12 |" in text
+    assert "Mean difference over 2 seed(s): -1.0 points." in text  # (-4.5 + 2.5) / 2
+
+
 # ---- the TRL interpreter: a venv made on first use, or --trl-python (offline) ------------------------
 def _fake_trl_packages(root: Path) -> Path:
     """Empty `trl`, `accelerate` and `datasets` packages: what --trl-python's check imports."""

@@ -353,7 +353,12 @@ def test_a_rerun_runs_only_what_is_missing(quick_study, capsys):
     stopped = json.loads(lost.read_text())
     stopped["summary"]["rl_steps"] = 0  # as a run stopped before its one step writes it
     lost.write_text(json.dumps(stopped))
+    label = json.loads((lost.parent.parent / "setting.json").read_text())["label"]
+    other = {"rloo": "grpo", "grpo": "rloo"}[label]
     study = load_script("research/study.py")  # its main here (its runs are processes of their own)
+    assert study.main([*command[2:], "--only", "estimators", "--settings", other]) == 0
+    assert "[estimators] 2 runs finished before, 0 to run" in capsys.readouterr().out  # the other's only
+    assert json.loads(lost.read_text())["summary"]["rl_steps"] == 0
     assert study.main([*command[2:], "--only", "estimators"]) == 0
     assert "[estimators] 3 runs finished before, 1 to run" in capsys.readouterr().out
     assert json.loads(lost.read_text())["summary"]["rl_steps"] == 1
@@ -372,3 +377,5 @@ def test_the_plan_prints_the_differences_and_bad_arguments_are_one_line(capsys):
     assert exit_.value.code == 2 and "unknown argument --nope" in capsys.readouterr().err
     assert study.main(["quick", "--plan", "--only", "x"]) == 2
     assert "error: --only x: no such part of quick" in capsys.readouterr().out
+    assert study.main(["quick", "--plan", "--settings", "rloo", "nope"]) == 2
+    assert "error: --settings nope: no such setting; the settings: grpo, rloo" in capsys.readouterr().out

@@ -3,6 +3,7 @@
     python scripts/bench/bench_vs_trl.py                         # tiny default and SmolLM2-135M, 3 runs each
     python scripts/bench/bench_vs_trl.py --work tiny --repeats 5
     python scripts/bench/bench_vs_trl.py --work smollm2 --steps 5
+    python scripts/bench/bench_vs_trl.py --work recipe --paired-seeds   # the SmolLM2 recipe, seeds 0, 1, 2
 
 Same model files, prompts (each step's B prompts drawn by loorl's task and fed to TRL in order), K,
 learning rate and AdamW settings, new-token limit, sampler, clipping, KL coefficient, precision and
@@ -68,6 +69,10 @@ WORK = {
         ],
         "steps": 10,
     },
+    # the SmolLM2 arithmetic recipe as shipped (16 prompts x K=4, 32 new tokens, lr 2e-5 cosine,
+    # temperature 0.7, bf16 autocast where the CPU has bf16 units); 15 steps (a TRL step is ~40 s);
+    # run with --paired-seeds for the accuracy comparison: run i of both systems is seed i
+    "recipe": {"overrides": ["experiment=smollm2_arithmetic", "rollout=hf"], "steps": 15},
 }
 LOORL_RUN = ["trainer.enable_progress_bar=false", "checkpoint_every=0", "val_pass_k=0"]
 
@@ -213,8 +218,10 @@ def held_out_accuracy(policy: Path, overrides: list[str], out: Path) -> float:
     return float(json.loads((out / "results.json").read_text())["metrics"]["pass@1_greedy"])
 
 
-def run_once(system: str, work: str, steps: int, index: int, out: Path, trl_python: Path) -> dict:
-    overrides = [*WORK[work]["overrides"], f"rl.steps={steps}"]
+def run_once(
+    system: str, work: str, steps: int, index: int, out: Path, trl_python: Path, *, paired_seeds: bool = False
+) -> dict:
+    overrides = [*WORK[work]["overrides"], f"rl.steps={steps}", *([f"seed={index}"] if paired_seeds else [])]
     run = out / f"{work}-{system}-{index}"
     if system == "loorl":
         cmd = [sys.executable, "src/train.py", *overrides, *LOORL_RUN, f"val_every={steps}",
@@ -224,8 +231,8 @@ def run_once(system: str, work: str, steps: int, index: int, out: Path, trl_pyth
     seconds, peak = timed(cmd, out / f"{run.name}.log")
     metrics = (loorl_step_metrics if system == "loorl" else trl_step_metrics)(run)
     accuracy = held_out_accuracy(run / "policy", WORK[work]["overrides"], out / f"{run.name}-eval")
-    row = {"system": system, "work": work, "run": index, "process_s": seconds, "peak_mib": peak / 2**20,
-           "accuracy": accuracy, **metrics}  # fmt: skip
+    row = {"system": system, "work": work, "run": index, "seed": index if paired_seeds else None,
+           "process_s": seconds, "peak_mib": peak / 2**20, "accuracy": accuracy, **metrics}  # fmt: skip
     print(json.dumps(row), flush=True)
     return row
 
@@ -258,6 +265,33 @@ def table(rows: list[dict], steps: dict[str, int], repeats: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def paired_table(rows: list[dict]) -> str:
+    """Per seed, both systems' held-out accuracy and their difference (the same prompts, K and steps:
+    the same number of generated samples), and the mean difference."""
+    lines = ["", "Paired seeds (run i of both systems trained with seed i):", "",
+             "| work | seed | loorl | TRL | loorl - TRL (points) | loorl s / TRL s (process) |",
+             "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    diffs = []
+    for row in rows:
+        if row["system"] != "loorl":
+            continue
+        peer = next(
+            (r for r in rows if r["system"] == "trl" and (r["work"], r["run"]) == (row["work"], row["run"])),
+            None,
+        )
+        if peer is None:
+            continue
+        diff = 100 * (row["accuracy"] - peer["accuracy"])
+        diffs.append(diff)
+        lines.append(
+            f"| {row['work']} | {row['seed']} | {100 * row['accuracy']:.1f}% | {100 * peer['accuracy']:.1f}% "
+            f"| {diff:+.1f} | {row['process_s'] / peer['process_s']:.2f} |"
+        )
+    if diffs:
+        lines += ["", f"Mean difference over {len(diffs)} seed(s): {statistics.fmean(diffs):+.1f} points."]
+    return "\n".join(lines) + "\n"
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -266,6 +300,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="runs of each system per work (at least 3)")
     parser.add_argument("--steps", type=int, default=None, help="RL steps per run (default: per work)")
     parser.add_argument("--systems", nargs="+", choices=["loorl", "trl"], default=["loorl", "trl"])
+    parser.add_argument(
+        "--paired-seeds",
+        action="store_true",
+        help="run i of both systems trains with seed=i (accuracy over seeds, not one seed's noise)",
+    )
     parser.add_argument(
         "--venv", type=Path, default=cache_dir() / "trl-venv", help="made for TRL without --trl-python"
     )
@@ -292,8 +331,12 @@ def main() -> None:
     for work in args.work:
         for index in range(args.repeats):
             for system in args.systems:  # alternating: A B A B
-                rows.append(run_once(system, work, steps[work], index, out, trl_python))
-    text = table(rows, steps, args.repeats)
+                rows.append(
+                    run_once(
+                        system, work, steps[work], index, out, trl_python, paired_seeds=args.paired_seeds
+                    )
+                )
+    text = table(rows, steps, args.repeats) + (paired_table(rows) if args.paired_seeds else "")
     text += (
         f"\nMachine: {machine()}. Command: "
         f"`python scripts/bench/bench_vs_trl.py {' '.join(sys.argv[1:])}`. Per-run rows: vs_trl.json.\n"

@@ -2,6 +2,7 @@
 
     python scripts/research/study.py which_estimator                   # run what is missing, then the report
     python scripts/research/study.py which_estimator --only k --seeds 2 # one part, its first 2 seeds
+    python scripts/research/study.py exploration --settings recipe clip_cov   # these settings' runs only
     python scripts/research/study.py which_estimator --plan            # the settings' config differences only
     python scripts/research/study.py which_estimator --report          # the report from the runs there are
     python scripts/research/study.py which_estimator model=qwen7b --out outputs/studies/qwen7b \
@@ -42,6 +43,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("name", help=f"a conf/study/ file: {', '.join(study_names())}")
     parser.add_argument("--only", nargs="+", help="these parts only (default: all, in the file's order)")
     parser.add_argument("--seeds", type=int, help="at most the first N seeds of each part")
+    parser.add_argument(
+        "--settings",
+        nargs="+",
+        help="run these settings only (default: all); the report takes every finished run",
+    )
     parser.add_argument("--out", type=Path, help="where the runs go (default outputs/studies/NAME)")
     parser.add_argument(
         "--report-dir", type=Path, help="where the report goes (default: the study's report_dir)"
@@ -50,9 +56,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     what.add_argument("--plan", action="store_true", help="check and print the settings' differences only")
     what.add_argument("--report", action="store_true", help="write the report from the finished runs only")
     args, overrides = parser.parse_known_args(argv)
-    if args.only:  # `--only smollm2 model=qwen7b`: argparse's nargs="+" took the override as a part
-        overrides += [o for o in args.only if "=" in o]
-        args.only = [o for o in args.only if "=" not in o]
+    for key in ("only", "settings"):  # `--only smollm2 model=qwen7b`: nargs="+" took the override too
+        if getattr(args, key):
+            overrides += [o for o in getattr(args, key) if "=" in o]
+            setattr(args, key, [o for o in getattr(args, key) if "=" not in o])
     unknown = [o for o in overrides if o.startswith("-") or "=" not in o]
     if unknown:
         parser.error(f"unknown argument {unknown[0]}; Hydra overrides for every run are key=value")
@@ -80,6 +87,12 @@ def main(argv: list[str]) -> int:
         study = load_study(args.name, seeds=args.seeds, only=args.only, extra=args.overrides)
         for part in study.parts:
             check_part(part)
+        known = {s.label for part in study.parts for s in part.settings}
+        for label in args.settings or []:
+            if label not in known:
+                raise ConfigError(
+                    f"--settings {label}: no such setting; the settings: {', '.join(sorted(known))}"
+                )
     except ConfigError as error:
         print(f"error: {error}")
         return 2
@@ -89,7 +102,10 @@ def main(argv: list[str]) -> int:
     started, failed = time.perf_counter(), []
     if not args.report:
         for part in study.parts:
-            failed += run_probe(out, part) if part.kind == "probe" else run_training(out, part)
+            if part.kind == "probe":
+                failed += run_probe(out, part)
+            else:
+                failed += run_training(out, part, labels=args.settings)
     per_step = {
         part.name: {s.label: s.report_facts for s in part.settings}
         for part in study.parts

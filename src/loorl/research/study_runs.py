@@ -41,18 +41,15 @@ def train_command(setting: Setting, seed: int, folder: Path, extra: list[str] = 
             f"hydra.run.dir={folder}", "resume_from=auto", *extra]  # fmt: skip
 
 
-def run_training(out: Path, part: Part, *, echo=print) -> list[Path]:
+def run_training(out: Path, part: Part, *, labels: list[str] | None = None, echo=print) -> list[Path]:
     """Every (setting, seed) of a train part without results, seed by seed (all settings of seed 0
-    first: an interrupted study has whole seeds); a run that fails is reported and left for the next
-    invocation. Returns the folders that failed."""
+    first: an interrupted study has whole seeds); `labels`: these settings only (the report still
+    takes every finished run). A run that fails is reported and left for the next invocation. Returns
+    the folders that failed."""
     failed = []
-    todo = [
-        (seed, s)
-        for seed in part.seeds
-        for s in part.settings
-        if not finished(run_dir(out, s, seed), s.steps)
-    ]
-    done = len(part.seeds) * len(part.settings) - len(todo)
+    chosen = [s for s in part.settings if labels is None or s.label in labels]
+    todo = [(seed, s) for seed in part.seeds for s in chosen if not finished(run_dir(out, s, seed), s.steps)]
+    done = len(part.seeds) * len(chosen) - len(todo)
     echo(f"[{part.name}] {done} runs finished before, {len(todo)} to run")
     for i, (seed, setting) in enumerate(todo, 1):
         folder = run_dir(out, setting, seed)
