@@ -15,15 +15,10 @@ from loorl.config import check_config
 from loorl.errors import ConfigError
 from loorl.rollout.prompt_pools import PromptPools, merge_ids
 from loorl.settings.training import PoolWeights, PromptPoolSettings
-from loorl.types import Prompt
 
 
 def _pools(**settings) -> PromptPools:
     return PromptPools(PromptPoolSettings(enabled=True, **settings))
-
-
-def _prompts(*texts: str) -> list[Prompt]:
-    return [Prompt(text=t, answer="") for t in texts]
 
 
 # ---- the pools by hand ---------------------------------------------------------------------------
@@ -60,15 +55,15 @@ def test_the_draw_fills_slots_by_pool_weight_then_candidate_order():
     pools.observe(["e1", "h1", "r1"], right=[4, 0, 4], scored=[4, 4, 4])
     pools.retired.discard("e1")  # e1 easy, h1 hard, r1 retired
     keys = ["e1", "n1", "h1", "n2", "r1", "n3"]
-    chosen, stats = pools.choose(_prompts(*keys), keys, 3, seed=0, step=5, round=0)
+    chosen, stats = pools.choose(keys, 3, seed=0, step=5, round=0)
     assert [keys[i] for i in chosen] == ["n1", "n2", "n3"]  # weight 0: easy and hard wait
     assert stats == {"pools/drawn_easy": 0.0, "pools/drawn_normal": 3.0, "pools/drawn_hard": 0.0,
                      "pools/retired_drawn": 0.0, "pools/grown_groups": 0.0}  # fmt: skip
     # more slots than normal candidates: the weight-0 pools, then a retired one rather than a short step
-    chosen, stats = pools.choose(_prompts(*keys), keys, 6, seed=0, step=5, round=0)
+    chosen, stats = pools.choose(keys, 6, seed=0, step=5, round=0)
     assert sorted(keys[i] for i in chosen) == sorted(keys) and keys[chosen[-1]] == "r1"
     assert stats["pools/retired_drawn"] == 1.0 and stats["pools/drawn_normal"] == 3.0
-    assert len(pools.choose(_prompts(*keys), keys, 9, seed=0, step=5, round=0)[0]) == 6  # no candidate twice
+    assert len(pools.choose(keys, 9, seed=0, step=5, round=0)[0]) == 6  # no candidate twice
 
 
 def test_the_draw_follows_the_weights_and_is_a_pure_function_of_seed_step_and_round():
@@ -76,11 +71,11 @@ def test_the_draw_follows_the_weights_and_is_a_pure_function_of_seed_step_and_ro
     easy, hard = [f"e{i}" for i in range(400)], [f"h{i}" for i in range(400)]
     pools.observe(easy + hard, right=[4] * 400 + [0] * 400, scored=[4] * 800)
     keys = [k for pair in zip(easy, hard) for k in pair]
-    chosen, _ = pools.choose(_prompts(*keys), keys, 400, seed=3, step=7, round=1)
+    chosen, _ = pools.choose(keys, 400, seed=3, step=7, round=1)
     share_hard = sum(keys[i].startswith("h") for i in chosen) / 400
     assert 0.70 < share_hard < 0.80  # 3:1 (binomial sd 0.02)
-    again, _ = pools.choose(_prompts(*keys), keys, 400, seed=3, step=7, round=1)
-    other, _ = pools.choose(_prompts(*keys), keys, 400, seed=3, step=7, round=2)
+    again, _ = pools.choose(keys, 400, seed=3, step=7, round=1)
+    other, _ = pools.choose(keys, 400, seed=3, step=7, round=2)
     assert again == chosen and other != chosen
 
 
@@ -163,14 +158,14 @@ def test_a_hard_candidate_takes_grow_groups_slots_within_the_budget():
     pools = _pools(grow_groups=3, grow_budget=0.5, weights=PoolWeights(easy=0.0, normal=0.0, hard=1.0))
     pools.observe(["h1", "h2", "h3"], right=[0, 0, 0], scored=[4, 4, 4])
     keys = ["h1", "n1", "h2", "h3", "n2", "n3"]
-    chosen, stats = pools.choose(_prompts(*keys), keys, 6, seed=0, step=0, round=0)
+    chosen, stats = pools.choose(keys, 6, seed=0, step=0, round=0)
     # hard first (weight 1): h1 three times (2 extra), h2 twice (the budget of 3 extra slots runs out), h3
     assert [keys[i] for i in chosen] == ["h1", "h1", "h1", "h2", "h2", "h3"]
     assert stats["pools/grown_groups"] == 3.0 and stats["pools/drawn_hard"] == 3.0
-    assert merge_ids(chosen) == [0, 0, 0, 3, 3, 5] and merge_ids(chosen, offset=10)[0] == 10
+    assert merge_ids(chosen) == [0, 0, 0, 3, 3, 5]
     off = _pools(weights=PoolWeights(easy=0.0, normal=0.0, hard=1.0))  # grow_groups=1: one slot each
     off.observe(["h1", "h2", "h3"], right=[0, 0, 0], scored=[4, 4, 4])
-    assert off.choose(_prompts(*keys), keys, 6, seed=0, step=0, round=0)[1]["pools/grown_groups"] == 0.0
+    assert off.choose(keys, 6, seed=0, step=0, round=0)[1]["pools/grown_groups"] == 0.0
 
 
 def test_merged_groups_are_one_group_for_the_estimator():

@@ -151,6 +151,8 @@ def test_a_killed_run_with_dynamic_sampling_resumes_to_the_same_run(tmp_path, mo
             for v in values
         ]
         assert retired and max(retired) > 0  # the pools moved: the resume has state to restore
+        in_summary = json.loads((straight / "metrics.json").read_text())["history"]["pools/retired"]
+        assert len(in_summary) == 9 and max(v for _, v in in_summary) == max(retired)  # metrics.json has them
     killed = _start_and_signal(_command(run, model_cache, *ds), run / "checkpoints" / "epoch=5-step=6.ckpt",
                                signal.SIGKILL)  # fmt: skip
     assert killed.returncode == -signal.SIGKILL

@@ -24,7 +24,7 @@ import torch
 
 from loorl.parallel.distributed import gather_rows
 from loorl.rollout.dynamic_sampling import verdicts
-from loorl.types import Prompt, RolloutBatch
+from loorl.types import RolloutBatch
 
 POOLS = ("easy", "normal", "hard")
 _POOLS_STREAM = zlib.crc32(b"prompt_pools")  # keeps the pools' choices apart from the task's draw
@@ -55,14 +55,16 @@ class PromptPools:
         return "hard" if rate <= self.s.hard_at else "normal"
 
     # ---- drawing -------------------------------------------------------------------------------
-    def choose(self, candidates: Sequence[Prompt], keys: Sequence[str], n: int, *, seed: int, step: int,
-               round: int) -> tuple[list[int], dict[str, float]]:  # fmt: skip
-        """The indices of the `n` candidates the step trains on, and what to log of the choice. A slot
-        takes the next candidate of a pool drawn by `weights` among the pools with candidates left
-        (a pool of weight 0 only once the others are empty); retired candidates only when nothing else
-        is left (counted as `pools/retired_drawn`). With `grow_groups` G > 1 a hard candidate takes G
-        slots in a row (its K grown G-fold; `merge_ids` makes them one group for the estimator), until
-        the extra slots reach `grow_budget` of the step's (`pools/grown_groups`)."""
+    def choose(
+        self, keys: Sequence[str], n: int, *, seed: int, step: int, round: int
+    ) -> tuple[list[int], dict[str, float]]:
+        """The indices of the `n` candidates (given by their pass-rate `keys`) the step trains on, and
+        what to log of the choice. A slot takes the next candidate of a pool drawn by `weights` among
+        the pools with candidates left (a pool of weight 0 only once the others are empty); retired
+        candidates only when nothing else is left (counted as `pools/retired_drawn`). With
+        `grow_groups` G > 1 a hard candidate takes G slots in a row (its K grown G-fold; `merge_ids`
+        makes them one group for the estimator), until the extra slots reach `grow_budget` of the
+        step's (`pools/grown_groups`)."""
         queues: dict[str, list[int]] = {p: [] for p in (*POOLS, "retired")}
         for i, key in enumerate(keys):
             queues[self.pool_of(key)].append(i)
@@ -126,11 +128,12 @@ class PromptPools:
         self.retired = set(state.get("retired", []))
 
 
-def merge_ids(chosen: Sequence[int], offset: int = 0) -> list[int]:
-    """Each slot's merged group: the first slot holding the same candidate (a grown prompt's groups are
-    one group of G x K samples for the estimator), plus `offset`."""
+def merge_ids(chosen: Sequence[int]) -> list[int]:
+    """Each slot's merged group: the first of the step's slots holding the same candidate (a grown
+    prompt's groups are one group of G x K samples for the estimator; global slots, so a grown prompt
+    whose slots fall on two ranks is still one group once the learner gathers every rank's ids)."""
     first: dict[int, int] = {}
-    return [offset + first.setdefault(c, slot) for slot, c in enumerate(chosen)]
+    return [first.setdefault(c, slot) for slot, c in enumerate(chosen)]
 
 
 def group_counts(batch: RolloutBatch) -> tuple[torch.Tensor, torch.Tensor]:

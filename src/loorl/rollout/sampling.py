@@ -92,7 +92,7 @@ class StepSampler:
         else:  # candidates x B of the task's draw, B kept by the pools (the same on every rank)
             candidates = self.task.prompts_for_round(step, round, n * self.pools.s.candidates, seed=self.seed)
             keys = [self.task.pass_rate_key(p) for p in candidates]
-            chosen, stats = self.pools.choose(candidates, keys, n, seed=self.seed, step=step, round=round)
+            chosen, stats = self.pools.choose(keys, n, seed=self.seed, step=step, round=round)
             prompts = [candidates[i] for i in chosen]
             self._pooled[(step, round)] = ([keys[i] for i in chosen], stats, merge_ids(chosen))
         return [prompts[i] for i in rank_block(len(prompts), *rank_and_world())]

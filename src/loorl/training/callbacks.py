@@ -116,7 +116,16 @@ class RunSummary(L.Callback):
 
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         epoch_values = {}  # a metric logged on step and epoch appears as `x`, `x_step` and `x_epoch`
-        recorded = ("rollout/", "perf/", "train/", "dynamic/", "tools/", "curriculum/", "staleness/")
+        recorded = (
+            "rollout/",
+            "perf/",
+            "train/",
+            "dynamic/",
+            "tools/",
+            "curriculum/",
+            "staleness/",
+            "pools/",
+        )
         for key, value in logged_this_epoch(trainer).items():
             if key.startswith(recorded) and not key.endswith("_step"):
                 epoch_values[key.removesuffix("_epoch")] = value
