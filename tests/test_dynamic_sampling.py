@@ -176,6 +176,7 @@ def test_the_datamodule_fills_the_step_with_whole_groups_that_have_signal(quick_
     assert aside == b * len(seen) - total_signal
     assert stats["dynamic/surplus_groups"] == total_signal - stats["dynamic/groups_with_signal"]
     assert stats["rollout/gen_tokens"] == sum(s.stats["rollout/gen_tokens"] for s in seen)
+    assert stats["rollout/samples"] == b * k * len(seen) and seen[0].stats["rollout/samples"] == b * k
     assert stats["rollout/accuracy"] == seen[0].stats["rollout/accuracy"]  # round 0: the policy's draw
     if len(seen) < 4:  # it stopped early: the step is full
         assert stats["dynamic/filler_groups"] == 0

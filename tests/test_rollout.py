@@ -413,6 +413,7 @@ def test_datamodule_collects_a_rollout_with_a_real_engine_and_no_learner(tiny):
     assert rollout.step == 3 and rollout.batch.input_ids.shape[0] == b * k
     assert rollout.batch.advantages is None and rollout.batch.ref_logprobs is None  # the learner's part
     assert len(calls) == b * k  # one verifier pass per sample
+    assert rollout.stats["rollout/samples"] == b * k  # the samples the step spent
     rewards = rollout.batch.rewards.view(b, k)
     assert rollout.stats["rollout/accuracy"] == pytest.approx(float(rewards.mean()))  # 1/0 reward = correct
     for key in (

@@ -146,7 +146,8 @@ def dynamic_sampling_stats(
     fresh draw of prompts, as without it), the generation totals of every round, and the rounds'
     own counts, summed over ranks. A collective."""
     stats = dict(rounds[0].stats)
-    totals = ("rollout/gen_tokens", "perf/gen_seconds", "perf/grade_seconds", "perf/sampler_gen_seconds")
+    totals = ("rollout/gen_tokens", "rollout/samples", "perf/gen_seconds", "perf/grade_seconds",
+              "perf/sampler_gen_seconds")  # fmt: skip
     for key in totals:
         if key in stats:
             stats[key] = sum(r.stats.get(key, 0.0) for r in rounds)

@@ -28,6 +28,7 @@ def rollout_stats(
         "rollout/completion_len": float(lengths.mean()),
         **length_by_verdict(graded.correct, lengths),
         "rollout/gen_tokens": float(lengths.sum()),  # the step's generated tokens (all ranks)
+        "rollout/samples": float(lengths.numel()),  # the step's sampled completions (all ranks)
         "rollout/truncated_frac": float((~finished).float().mean()),
         "rollout/zero_std_group_frac": float((group_std == 0).float().mean()),
         "rollout/unscorable": float(graded.unscorable),
