@@ -5,6 +5,7 @@ The statistics and the pairing check by hand are tests/test_study_statistics.py'
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -261,6 +262,31 @@ def test_the_level_table_and_the_per_level_comparison_by_hand(tmp_path, monkeypa
     assert "| cur - fixed | final chain_sum@L1 | +0.0 |" in "\n".join(lines)
     assert "its starting policy and its RL seed; the problems differ by design" in lines[-1]
     assert metric_title("auc/spell_backward@L2") == "AUC spell_backward@L2"
+
+
+def test_the_dynamics_table_by_hand(tmp_path, monkeypatch):
+    from loorl.research.jobs import Job
+    from loorl.research.study_tables import dynamics_table, window_mean
+
+    name = write_study(tmp_path, monkeypatch, {"p": {"settings": {"a": [], "b": []}, "seeds": 2}})
+    part = load_study(name).parts[0]
+
+    def job(entropy, spread):  # six steps, 0..5: the last third is steps 4-5, after the first third 2-5
+        history = {
+            "train/entropy": list(enumerate(entropy)),
+            "rollout/zero_std_group_frac": list(enumerate(spread)),
+        }
+        return Job(tmp_path, [], 0, {}, history, {})
+
+    a0 = job([1, 1, 1, 1, 0.1, 0.3], [0, 0, 0.5, 0.5, 1, 1])  # entropy (0.1 + 0.3) / 2, spread 0.75
+    a1 = job([1, 1, 1, 1, 0.2, 0.2], [0, 0, 1, 1, 1, 1])  # 0.2 and 1.0
+    assert window_mean(a0.history, "train/entropy", from_share=2 / 3) == pytest.approx(0.2)
+    assert math.isnan(window_mean(a0.history, "never logged", from_share=0.5))
+    lines, data = dynamics_table(part, {"a": {0: a0, 1: a1}, "b": {0: job([1] * 6, [0.25] * 6)}})
+    assert data["a"]["rollout/zero_std_group_frac"] == pytest.approx([0.75, 1.0])
+    # a: entropy 0.2 ± 0 (both seeds 0.2); spread 87.5 ± t(0.975, 1) sd(0.75, 1.0) / sqrt(2) = 158.8 points
+    assert "| a | 2 | 0.200 ± 0.000 | 87.5 ± 158.8 |" in lines
+    assert "| b | 1 | 1.000 | 25.0 |" in lines  # one seed: no interval
 
 
 # ---- a real study, resumed -------------------------------------------------------------------------------

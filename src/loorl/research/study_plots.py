@@ -5,6 +5,7 @@ without spread and gradient norm along training; the mean over seeds with its 95
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,27 @@ from loorl.research.study import Part
 from loorl.research.study_tables import sources
 
 STYLE = {"lw": 1.4, "alpha": 0.15}  # the study's curves: many settings on a panel, thinner than an ablation's
+
+
+@dataclass(frozen=True)
+class Panel:
+    """A plot along training: the metric, the panel's title and y label, the metric's range (the 95%
+    band is clipped to it: an entropy or a norm is never negative, a share never above 1), log y."""
+
+    key: str
+    title: str
+    ylabel: str
+    bounds: tuple[float, float] = (0, math.inf)
+    log: bool = False
+
+
+def setting_colors(n: int):
+    """A color per setting, none repeated: tab10 up to 10 settings, tab20 beyond (the exploration study
+    has 13), cycling only past 20."""
+    import matplotlib.pyplot as plt
+
+    cmap = plt.get_cmap("tab10" if n <= 10 else "tab20")
+    return [cmap(i % cmap.N) for i in range(n)]
 
 
 def plot_accuracy(part: Part, jobs, samples_per_step: dict[str, int], path: Path) -> None:
@@ -31,12 +53,12 @@ def plot_accuracy(part: Part, jobs, samples_per_step: dict[str, int], path: Path
     rows = math.ceil(panels / cols)
     fig, axes = plt.subplots(rows, cols, figsize=(5.2 * cols, 4.0 * rows), squeeze=False)
     axes = axes.ravel()
-    colors = plt.get_cmap("tab10")
+    colors = setting_colors(len(part.settings))
     for i, setting in enumerate(part.settings):
         runs = list(jobs[setting.label].values())
         if not runs:
             continue
-        color = colors(i % 10)
+        color = colors[i]
         steps, acc = aligned(runs, "val/accuracy")
         band(
             axes[0],
@@ -76,9 +98,9 @@ def plot_accuracy(part: Part, jobs, samples_per_step: dict[str, int], path: Path
     plt.close(fig)
 
 
-def plot_over_steps(part: Part, jobs, panels: list[tuple[str, str, str]], title: str, path: Path) -> None:
-    """One panel per (metric key, panel title, y label): each setting's metric against the RL step, the
-    mean over seeds with its 95% band (a setting whose runs lack the metric is left out of the panel)."""
+def plot_over_steps(part: Part, jobs, panels: list[Panel], title: str, path: Path) -> None:
+    """One panel per `Panel`: each setting's metric against the RL step, the mean over seeds with its
+    95% band clipped to the metric's range (a setting whose runs lack the metric is left out)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -86,36 +108,44 @@ def plot_over_steps(part: Part, jobs, panels: list[tuple[str, str, str]], title:
 
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
     axes = axes.ravel()
-    colors = plt.get_cmap("tab10")
+    colors = setting_colors(len(part.settings))
     for i, setting in enumerate(part.settings):
         runs = list(jobs[setting.label].values())
-        for ax, (key, _, _) in zip(axes, panels):
-            if runs and all(j.history.get(key) for j in runs):
-                steps, values = aligned(runs, key)
-                band(ax, steps, values, setting.label, colors(i % 10), **STYLE)
-    for ax, (_, panel, ylabel) in zip(axes, panels):
-        ax.set_title(panel, fontsize=10)
+        for ax, panel in zip(axes, panels):
+            if runs and all(j.history.get(panel.key) for j in runs):
+                steps, values = aligned(runs, panel.key)
+                band(ax, steps, values, setting.label, colors[i], bounds=panel.bounds, **STYLE)
+    for ax, panel in zip(axes, panels):
+        ax.set_title(panel.title, fontsize=10)
         ax.set_xlabel("RL step")
-        ax.set_ylabel(ylabel)
+        ax.set_ylabel(panel.ylabel)
+        if panel.log:
+            ax.set_yscale("log")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7)
+    handles, labels = axes[0].get_legend_handles_labels()  # beside the panels, not over the curves
+    fig.legend(handles, labels, loc="center right", fontsize=7)
     fig.suptitle(f"{title}: {part.title} (band: 95% CI over seeds)", fontsize=11)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.9, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
 def plot_length(part: Part, jobs, path: Path) -> None:
     """The length of wrong and of correct rollout answers along training."""
-    panels = [(f"rollout/completion_len_{v}", f"{v} answers", "mean completion length (tokens)")
+    panels = [Panel(f"rollout/completion_len_{v}", f"{v} answers", "mean completion length (tokens)")
               for v in ("wrong", "correct")]  # fmt: skip
     plot_over_steps(part, jobs, panels, "Length of rollout answers", path)
 
 
 DYNAMICS = [  # what a part with `dynamics: true` plots along training
-    ("train/entropy", "entropy of the trained tokens", "nats a token"),
-    ("rollout/zero_std_group_frac", "groups without reward spread", "share of the step's groups"),
-    ("train/grad_norm", "gradient norm (before clipping)", "L2 norm"),
+    # log scale: the collapse is from ~1 nat to 0.03-0.15, where the settings differ
+    Panel(
+        "train/entropy", "entropy of the trained tokens (log scale)", "nats a token", (1e-3, math.inf), True
+    ),
+    Panel(
+        "rollout/zero_std_group_frac", "groups without reward spread", "share of the step's groups", (0, 1)
+    ),
+    Panel("train/grad_norm", "gradient norm (before clipping)", "L2 norm"),
 ]
 
 

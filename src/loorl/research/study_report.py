@@ -23,6 +23,7 @@ from loorl.research.study_plots import plot_accuracy, plot_dynamics, plot_length
 from loorl.research.study_runs import did_all_steps, probe_folder, run_dir
 from loorl.research.study_tables import (
     comparison_table,
+    dynamics_table,
     grad_norm_table,
     in_points,
     length_data,
@@ -168,7 +169,8 @@ def write_study_report(
         clip = {label: info[2] for label, info in per_step[part.name].items()}
         text += [*grad_norm_table(part, jobs, clip), ""]
         if part.dynamics:
-            text += [f"![dynamics]({images}/{part.name}_dynamics.png)", ""]
+            dynamics, payload["dynamics"] = dynamics_table(part, jobs)
+            text += [*dynamics, "", f"![dynamics]({images}/{part.name}_dynamics.png)", ""]
             plot_dynamics(part, jobs, report_dir / f"{part.name}_dynamics.png")
         if levels := level_table(part, jobs):
             text += [*levels, ""]

@@ -245,3 +245,46 @@ def grad_norm_table(part: Part, jobs, clip: dict) -> list[str]:
         "constant scale of the gradient but not to clipping: a setting clipped at every step feeds Adam "
         "gradients of one norm, one never clipped feeds them in the proportions they come in.",
     ]
+
+
+def window_mean(history: dict, key: str, *, from_share: float) -> float:
+    """The mean of `key` over the run's steps from `from_share` of the way on (0.5: the second half);
+    NaN where the run never logged it."""
+    points = history.get(key) or []
+    if not points:
+        return float("nan")
+    last = max(step for step, _ in points)
+    return float(np.mean([v for step, v in points if step >= from_share * (last + 1)]))
+
+
+DYNAMICS_WINDOWS = (  # (metric, where the window starts, its column): where the recipe has collapsed
+    ("train/entropy", 2 / 3, "entropy, last third of the steps (nats a token)"),
+    ("rollout/zero_std_group_frac", 1 / 3, "groups without spread, after the first third (%)"),
+)
+
+
+def dynamics_table(part: Part, jobs: dict[str, dict[int, Job]]) -> tuple[list[str], dict]:
+    """Per setting, each `DYNAMICS_WINDOWS` metric's mean over its window, mean ± 95% interval over the
+    seeds: how far entropy fell and how many groups stayed without a learning signal."""
+    header = "| setting | seeds | " + " | ".join(title for _, _, title in DYNAMICS_WINDOWS) + " |"
+    lines, data = [header, "|" + " --- |" * (2 + len(DYNAMICS_WINDOWS))], {}
+    for setting in part.settings:
+        runs = list(jobs[setting.label].values())
+        if not runs:
+            continue
+        cells, data[setting.label] = [], {}
+        for key, start, _ in DYNAMICS_WINDOWS:
+            values = [window_mean(job.history, key, from_share=start) for job in runs]
+            data[setting.label][key] = values
+            mean, half = mean_ci(values)
+            scale, digits = (100, 1) if key.endswith("_frac") else (1, 3)
+            cells.append(
+                "n/a"
+                if math.isnan(mean)
+                else f"{scale * mean:.{digits}f}"
+                + ("" if math.isnan(half) else f" ± {scale * half:.{digits}f}")
+            )
+        lines.append(f"| {setting.label} | {len(runs)} | " + " | ".join(cells) + " |")
+    note = ("Each run's mean over the window (the recipe's collapse is over by then), then the mean ± "
+            "half-width of the 95% Student-t interval over the seeds.")  # fmt: skip
+    return [*lines, "", note], data
