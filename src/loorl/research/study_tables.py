@@ -46,11 +46,17 @@ def per_seed(jobs: dict[int, Job], seeds: list[int], names: list[str]) -> dict[s
     return {k: [r[k] if r else math.nan for r in rows] for k in keys}
 
 
-def in_points(mean: float, half: float) -> str:
-    """An accuracy's mean ± half-width in points (`n/a` where there is none)."""
+def mean_pm(mean: float, half: float, *, scale: float = 1.0, digits: int = 1) -> str:
+    """`mean ± half` (each times `scale`, to `digits` decimals); the mean alone without a half-width,
+    `n/a` without a mean."""
     if math.isnan(mean):
         return "n/a"
-    return f"{100 * mean:.1f}" + ("" if math.isnan(half) else f" ± {100 * half:.1f}")
+    return f"{scale * mean:.{digits}f}" + ("" if math.isnan(half) else f" ± {scale * half:.{digits}f}")
+
+
+def in_points(mean: float, half: float) -> str:
+    """An accuracy's mean ± half-width in points (`n/a` where there is none)."""
+    return mean_pm(mean, half, scale=100)
 
 
 def summary_table(part: Part, jobs: dict[str, dict[int, Job]]) -> tuple[list[str], dict]:
@@ -206,10 +212,7 @@ def length_table(part: Part, data: dict) -> list[str]:
         v = data[setting.label]
         cells = []
         for key in ("wrong_start", "wrong_end", "wrong_change", "correct_start", "correct_end"):
-            mean, half = mean_ci(v[key])
-            cells.append(
-                "n/a" if math.isnan(mean) else f"{mean:.1f}" + ("" if math.isnan(half) else f" ± {half:.1f}")
-            )
+            cells.append(mean_pm(*mean_ci(v[key])))
         lines.append(f"| {setting.label} | " + " | ".join(cells) + " |")
     lines += [
         "",
@@ -276,14 +279,8 @@ def dynamics_table(part: Part, jobs: dict[str, dict[int, Job]]) -> tuple[list[st
         for key, start, _ in DYNAMICS_WINDOWS:
             values = [window_mean(job.history, key, from_share=start) for job in runs]
             data[setting.label][key] = values
-            mean, half = mean_ci(values)
             scale, digits = (100, 1) if key.endswith("_frac") else (1, 3)
-            cells.append(
-                "n/a"
-                if math.isnan(mean)
-                else f"{scale * mean:.{digits}f}"
-                + ("" if math.isnan(half) else f" ± {scale * half:.{digits}f}")
-            )
+            cells.append(mean_pm(*mean_ci(values), scale=scale, digits=digits))
         lines.append(f"| {setting.label} | {len(runs)} | " + " | ".join(cells) + " |")
     note = ("Each run's mean over the window (the recipe's collapse is over by then), then the mean ± "
             "half-width of the 95% Student-t interval over the seeds.")  # fmt: skip
