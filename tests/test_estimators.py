@@ -26,6 +26,7 @@ ALL = [
     "reinforce_pp",
     "reinforce_pp_baseline",
     "remax",
+    "rl_zvp",
     "rloo",
     "w_reinforce",
 ]
@@ -323,7 +324,7 @@ def reference(name, rewards, *, whiten, eps):
                 others = [row[j] for j in scorable if j != k]
                 out[b][k] = row[k] - _mean(others) if others else 0.0
                 too_small[b][k] = not others
-            elif name == "grpo":
+            elif name in ("grpo", "rl_zvp"):  # RL-ZVP's groups without spread are the loss's (0 here)
                 out[b][k] = (row[k] - _mean(vals)) / (_std(vals) + eps) if len(vals) >= 2 else 0.0
                 too_small[b][k] = len(vals) < 2
             elif name in ("dr_grpo", "reinforce_pp_baseline"):
@@ -402,7 +403,17 @@ def test_masked_mean_and_std_match_torch_on_the_kept_entries():
 def test_registry_names_and_sizes():
     assert estimators.names() == ALL
     # K=1 would give all-zero advantages
-    baselines = ("rloo", "grpo", "dr_grpo", "reinforce_pp_baseline", "opo", "gpg", "grpo_passk", "gdpo")
+    baselines = (
+        "rloo",
+        "grpo",
+        "dr_grpo",
+        "reinforce_pp_baseline",
+        "opo",
+        "gpg",
+        "grpo_passk",
+        "gdpo",
+        "rl_zvp",
+    )
     assert all(estimators.min_group_size(n) == 2 for n in baselines)
     assert all(estimators.min_group_size(n) == 1 for n in ALL if n not in baselines)
     assert estimators.get("rloo") is estimators.rloo
@@ -420,7 +431,7 @@ def test_unknown_estimator_message():
     assert err.value.args[0] == (
         "unknown estimator 'x'; choose one of: "
         "dr_grpo, gdpo, gpg, grpo, grpo_passk, opo, reinforce, reinforce_pp, reinforce_pp_baseline, "
-        "remax, rloo, w_reinforce"
+        "remax, rl_zvp, rloo, w_reinforce"
     )
     with pytest.raises(KeyError, match="unknown estimator 'y'"):
         compute_advantages("y", SEED)

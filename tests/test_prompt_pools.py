@@ -212,7 +212,7 @@ def test_a_grown_prompt_reaches_the_learner_as_one_group(quick_config):
             "decay=1.0",
         )
     ]
-    cfg, task, tok, module, dm = policy_and_rollouts(quick_config(*grow))
+    cfg, task, tok, module, dm = policy_and_rollouts(quick_config(*grow, "loss.zvp_alpha=0.1"))
     dm.engine.sync(module.policy)
     first = dm.rollout_for_step(0)
     assert first.stats["pools/grown_groups"] == 0 and first.batch.estimator_groups is not None
@@ -224,3 +224,16 @@ def test_a_grown_prompt_reaches_the_learner_as_one_group(quick_config):
     prepared, _ = module.with_advantages(batch)
     inp, index = merged_rows(batch.rewards, batch.completion_mask.sum(-1), batch.estimator_groups)
     torch.testing.assert_close(prepared.advantages, unmerged(estimators.rloo(inp), index, len(batch.rewards)))
+    # RL-ZVP (loss.zvp_alpha) reads the merged group too: a prompt's rows share one sign, set where all
+    # of its 2K samples were rewarded alike (by hand, per id)
+    signs, seen = prepared.zero_variance_sign, set()
+    for group in batch.estimator_groups.tolist():
+        if group in seen:
+            continue
+        seen.add(group)
+        rows = (batch.estimator_groups == group).nonzero().flatten()
+        rewards, verdicts = batch.rewards[rows], batch.correct[rows]
+        alike = len(set(rewards.tolist())) == 1
+        want = 0.0 if not alike else 1.0 if bool((verdicts == 1).all()) else -1.0
+        assert signs[rows].tolist() == [want] * len(rows), group
+    assert len(seen) < len(batch.rewards) // k  # some prompt held two groups, checked as one

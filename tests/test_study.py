@@ -17,7 +17,7 @@ from fixtures import load_script
 from loorl.config import ConfigError
 from loorl.research import study as study_module
 from loorl.research.study import load_study
-from loorl.research.study_configs import check_part
+from loorl.research.study_configs import LATER_KEYS, check_part, config_digest
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDY = [sys.executable, str(ROOT / "scripts" / "research" / "study.py")]
@@ -179,8 +179,9 @@ def test_the_exploration_study_changes_one_tool_a_setting_on_the_recipe():
         and "no_grad_clip: loss.max_grad_norm" in text
     )
     assert "w_reinforce: estimator.name: rloo -> w_reinforce;" in text
+    assert "rl_zvp: loss.zvp_alpha: None -> 0.1\n" in text  # RL-ZVP's shaping beside the recipe's RLOO
     assert not any(key in text for key in ("rl.steps", "rl.prompts_per_step", "rl.samples_per_prompt"))
-    assert len(part.settings) == 13 and len(part.seeds) == 3 and part.pairing == "seeds"
+    assert len(part.settings) == 14 and len(part.seeds) == 3 and part.pairing == "seeds"
     assert ("w_reinforce", "recipe") in part.comparisons  # every setting against the recipe
 
 
@@ -405,3 +406,13 @@ def test_the_plan_prints_the_differences_and_bad_arguments_are_one_line(capsys):
     assert "error: --only x: no such part of quick" in capsys.readouterr().out
     assert study.main(["quick", "--plan", "--settings", "rloo", "nope"]) == 2
     assert "error: --settings nope: no such setting; the settings: grpo, rloo" in capsys.readouterr().out
+
+
+def test_a_key_added_later_leaves_the_digest_of_earlier_runs_at_its_neutral_value():
+    """`loss.zvp_alpha` came after the exploration study's runs: at null (off) the digest is the one a
+    config without the key had, so those runs keep their folder; at any other value it differs."""
+    before = {"seed": 3, "loss.name": "auto", "rl.steps": 60}
+    assert config_digest({**before, "loss.zvp_alpha": None}) == config_digest(before)
+    assert config_digest({**before, "loss.zvp_alpha": 0.1}) != config_digest(before)
+    assert LATER_KEYS["loss.zvp_alpha"] is None
+    assert config_digest({**before, "seed": 4}) == config_digest(before)  # the seed never counts

@@ -151,6 +151,17 @@ def check_config(cfg: DictConfig) -> Settings:
             f"rl.samples_per_prompt={k} is too small for estimator={s.estimator.label}: its baseline needs "
             f"K >= {k_min} samples per prompt; set rl.samples_per_prompt={k_min} or more"
         )
+    if s.estimator.target is None and s.estimator.name == "rl_zvp" and s.loss.zvp_alpha is None:
+        raise ConfigError(
+            "estimator.name=rl_zvp with loss.zvp_alpha=null: without it RL-ZVP is GRPO; use estimator=rl_zvp "
+            "(which sets loss.zvp_alpha=0.1) or set loss.zvp_alpha"
+        )
+    if s.loss.zvp_alpha is not None and s.rl.dynamic_sampling.enabled:
+        raise ConfigError(
+            f"loss.zvp_alpha={s.loss.zvp_alpha} with rl.dynamic_sampling: dynamic sampling sets aside the "
+            "groups without reward spread that RL-ZVP trains on; set rl.dynamic_sampling.enabled=false or "
+            "loss.zvp_alpha=null"
+        )
     if s.rl.prompt_pools.enabled and s.rollout.max_staleness:
         raise ConfigError(
             f"rl.prompt_pools with rollout.max_staleness={s.rollout.max_staleness} is not supported yet (a "

@@ -110,6 +110,8 @@ class RolloutBatch:
     reward_part_weights: tuple[float, ...] = ()  # their weights in the sum
     estimator_groups: torch.Tensor | None = None  # [N] rows with equal ids are one group for the estimator
     # (a prompt whose K `rl.prompt_pools.grow_groups` grew: several groups of K side by side); None: each K
+    zero_variance_sign: torch.Tensor | None = None  # [N] RL-ZVP (`loss.zvp_alpha`): +1 where the row's group
+    # was rewarded alike above 0, -1 alike at or below 0, 0 where it had spread; None: RL-ZVP off
     temperature: float | None = None  # the sampling temperature that drew the rows, which the trainer scores
     # them at (`rollout.temperature_schedule`); None: the run's one temperature (`rollout.temperature`)
 
@@ -151,7 +153,10 @@ class RolloutBatch:
         samples rewarded alike, under a group baseline) adds exactly nothing to the policy gradient.
         At least one group is returned, so that a pass still runs (and a data-parallel all-reduce
         still meets its peers)."""
-        nonzero = (self.advantages != 0).view(self.num_groups, self.samples_per_prompt).any(-1)  # [G]
+        signal = self.advantages != 0  # [N]
+        if self.zero_variance_sign is not None:  # RL-ZVP: a group without spread teaches too
+            signal = signal | (self.zero_variance_sign != 0)
+        nonzero = signal.view(self.num_groups, self.samples_per_prompt).any(-1)  # [G]
         groups = nonzero.nonzero().flatten().tolist()
         return groups or [0]
 

@@ -94,6 +94,14 @@ def grpo(inp: AdvantageInput | torch.Tensor, *, whiten: bool = False, eps: float
     return _finish(adv, valid, whiten=whiten, eps=eps, keep=keep)
 
 
+@register("rl_zvp", min_group_size=2)
+def rl_zvp(inp: AdvantageInput | torch.Tensor, *, whiten: bool = False, eps: float = 1e-6) -> torch.Tensor:
+    """RL-ZVP (2509.21880): GRPO's advantage here. The groups without reward spread, where it is 0, get
+    their token advantages in the loss (`loss.zvp_alpha`, `loorl.algo.zero_variance`), which needs the
+    tokens' entropies; `estimator=rl_zvp` sets it (the config check refuses rl_zvp without it)."""
+    return grpo(inp, whiten=whiten, eps=eps)
+
+
 @register("dr_grpo", min_group_size=2)
 def dr_grpo(inp: AdvantageInput | torch.Tensor, *, whiten: bool = False, eps: float = 1e-6) -> torch.Tensor:
     """Dr. GRPO: r - group mean, without GRPO's per-group std division (K=1 would give 0)."""

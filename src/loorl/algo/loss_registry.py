@@ -73,6 +73,16 @@ class LossParams(Protocol):
     def kl_cov_coef(self) -> float: ...  # KL-Cov: the coefficient of |log pi/pi_old| on its tokens
     @property
     def dro_beta(self) -> float: ...  # DRO: the coefficient of its quadratic log-ratio penalty
+    @property
+    def zvp_alpha(self) -> float | None: ...  # RL-ZVP: entropy-shaped advantages of groups without spread
+
+
+def token_advantages(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The advantages as a loss multiplies them, without gradient, in `like`'s dtype: one per sequence
+    [n] becomes [n, 1] (broadcast over its tokens); one per token [n, C] (RL-ZVP's shaped rows,
+    `loss.zvp_alpha`) stays as it is."""
+    adv = advantages.detach().to(like.dtype)
+    return adv.unsqueeze(-1) if adv.dim() == 1 else adv  # [n, 1] or [n, C]
 
 
 # ---- the registry of per-token policy losses ---------------------------------------------------
@@ -85,9 +95,10 @@ def register_loss(name: str) -> Callable[[TokenLoss], TokenLoss]:
 
     It returns the per-token loss [n, C] (its gradient is the policy gradient), or that and a bool
     [n, C] marking the tokens where a clip was active (`train/clip_frac`). `batch` holds the
-    advantages [n], the completion mask [n, C] and, when the ratio can differ from 1, the old
-    log-probs [n, C]; `policy_loss` then applies truncated importance sampling, the KL loss term and
-    the aggregation (`loss.agg`). Chosen by `loss.name`, or by `loss._target_` for a function
+    advantages [n] (or [n, C] per token under RL-ZVP: read them with `token_advantages`), the
+    completion mask [n, C] and, when the ratio can differ from 1, the old log-probs [n, C];
+    `policy_loss` then applies truncated importance sampling, the KL loss term and the aggregation
+    (`loss.agg`). Chosen by `loss.name`, or by `loss._target_` for a function
     outside loorl (registered or not)."""
 
     def decorator(fn: TokenLoss) -> TokenLoss:

@@ -28,6 +28,7 @@ from loorl.algo.loss_registry import (  # noqa: F401  (the registry's names, re-
     TokenLoss,
     loss_names,
     register_loss,
+    token_advantages,
     token_loss_of,
 )
 from loorl.algo.masked import masked_mean
@@ -35,6 +36,7 @@ from loorl.algo.policy_losses import (  # noqa: F401  (and registers the clipped
     clipped_loss,
     clipped_surrogate_token_loss,
 )
+from loorl.algo.zero_variance import zvp_token_advantages
 from loorl.errors import ConfigError
 from loorl.parallel.distributed import all_reduce
 from loorl.types import RolloutBatch
@@ -46,7 +48,7 @@ def reinforce_token_loss(logprobs: torch.Tensor, advantages: torch.Tensor) -> to
 
     Its gradient is the REINFORCE estimate; no old logprobs are needed.
     """
-    adv = advantages.detach().to(logprobs.dtype).unsqueeze(-1)  # [N, 1]
+    adv = token_advantages(advantages, logprobs)  # [N, 1] (or [N, T] per token)
     return -adv * logprobs  # [N, T]
 
 
@@ -91,7 +93,8 @@ def off_policy_sequence_mask(
     valid = mask.bool()  # [N, T]
     drift = torch.nan_to_num(sampler_logprobs - logprobs.detach(), nan=0.0)  # [N, T]
     mean_drift = masked_mean(drift, valid, -1, keepdim=True)  # [N, 1]
-    return (advantages.detach().unsqueeze(-1) >= 0) | (mean_drift <= threshold)  # [N, 1]
+    adv = token_advantages(advantages, mean_drift)  # [N, 1] (or [N, T]: a sequence's sign is its sum's)
+    return (adv.sum(-1, keepdim=True) >= 0) | (mean_drift <= threshold)  # [N, 1]
 
 
 @register_loss("gpg")  # GPG's loss (Chu et al. 2025) is REINFORCE's: no ratio, no clip (verl's `gpg`)
@@ -165,6 +168,8 @@ class LossStats:
     is_masked: float | None = None  # with masked importance sampling: real tokens whose loss was dropped
     off_policy_masked: float | None = None  # with the off-policy sequence mask: real tokens it dropped
     entropy_masked: float | None = None  # with top_entropy_quantile < 1: real tokens below the share
+    zvp_tokens: float | None = None  # with RL-ZVP (zvp_alpha): real tokens of rows shaped by entropy
+    zvp_advantage: float | None = None  # and the sum of their shaped advantages
     ratio: float | None = None  # off-policy: sum of pi_train / pi_old over tokens (old: the behaviour policy)
     ratio_sq: float | None = None  # and of its square (the ratio's spread)
     kl: float | None = None  # with a KL loss term
@@ -184,7 +189,8 @@ class LossStats:
         `log_ratio_max`; `steps` and `grad_norm` are the same on every rank (the gradient is
         all-reduced before it is clipped) and stay as they are."""
         names = ("loss", "tokens", "entropy", "clipped", "log_ratio", "tis_weight", "is_masked",
-                 "off_policy_masked", "entropy_masked", "ratio", "ratio_sq", "kl")  # fmt: skip
+                 "off_policy_masked", "entropy_masked", "zvp_tokens", "zvp_advantage", "ratio", "ratio_sq",
+                 "kl")  # fmt: skip
         summed = [f for f in names if getattr(self, f) is not None]
         totals = all_reduce([getattr(self, f) for f in summed]).tolist()
         return replace(
@@ -210,6 +216,9 @@ class LossStats:
             metrics["train/off_policy_masked_frac"] = self.off_policy_masked / tokens
         if self.entropy_masked is not None:
             metrics["train/entropy_masked_frac"] = self.entropy_masked / tokens
+        if self.zvp_tokens is not None:  # RL-ZVP: the share of tokens shaped, and their mean advantage
+            metrics["train/zvp_token_frac"] = self.zvp_tokens / tokens
+            metrics["train/zvp_advantage_mean"] = self.zvp_advantage / max(self.zvp_tokens, 1.0)
         if self.ratio is not None:  # off-policy: the importance ratio's mean and spread over tokens
             mean = self.ratio / tokens
             metrics["train/ratio_mean"] = mean
@@ -248,6 +257,10 @@ def policy_loss(
     the counts of the whole mini-batch (`num_tokens`, `num_seqs`), so that the micro-batch losses add up
     to the mini-batch loss.
 
+    With `settings.zvp_alpha` (RL-ZVP, `loorl.algo.zero_variance`) the rows of groups without reward
+    spread (`batch.zero_variance_sign` != 0) take token advantages shaped by their entropies [n, C]
+    instead of the estimator's, before every step above.
+
     `entropy` [n, C] (with gradient where `entropy_coef` > 0): with `settings.top_entropy_quantile` < 1
     only the share of real tokens with the highest entropy keep their policy term (2506.01939); the
     bonus `-entropy_coef * sum(H) / num_tokens` over the tokens that keep it is added to the loss, a
@@ -256,6 +269,16 @@ def policy_loss(
     """
     mask = batch.completion_mask  # [n, C]
     token_loss = token_loss or token_loss_of(settings.name, settings.target)
+    zvp = None
+    if (
+        settings.zvp_alpha is not None and batch.zero_variance_sign is not None
+    ):  # RL-ZVP: per-token advantages
+        if entropy is None:
+            raise ValueError("loss.zvp_alpha needs the tokens' entropies: pass entropy=")
+        signs = batch.zero_variance_sign  # [n]
+        token_adv = zvp_token_advantages(batch.advantages, signs, entropy, mask, alpha=settings.zvp_alpha)
+        zvp = mask.bool() & (signs != 0).unsqueeze(-1)  # [n, C] the shaped rows' real tokens
+        batch = replace(batch, advantages=token_adv)  # [n, C]
     out = token_loss(logprobs, batch, settings)
     tok_loss, clipped = out if isinstance(out, tuple) else (out, torch.zeros_like(mask, dtype=torch.bool))
     # Sampler/trainer mismatch: log pi_train - log pi_sampler per token, at the rollout's weights.
@@ -267,6 +290,9 @@ def policy_loss(
         log_ratio=float(log_ratio.sum()),
         log_ratio_max=float(log_ratio.abs().max()) if mask.any() else 0.0,
     )
+    if zvp is not None:
+        stats.zvp_tokens = float(zvp.sum())
+        stats.zvp_advantage = float(torch.where(zvp, batch.advantages, 0.0).sum())
     if batch.old_logprobs is not None:  # off-policy: pi_train / pi_old, the ratio the clipped loss uses
         ratio = torch.where(mask.bool(), torch.exp(logprobs.detach() - batch.old_logprobs), 0.0)  # [n, C]
         stats.ratio, stats.ratio_sq = float(ratio.sum()), float((ratio * ratio).sum())

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from loorl.algo.kl import MAX_LOG_RATIO
-from loorl.algo.loss_registry import RATIO_LEVELS, LossParams, register_loss
+from loorl.algo.loss_registry import RATIO_LEVELS, LossParams, register_loss, token_advantages
 from loorl.algo.masked import masked_mean
 from loorl.errors import ConfigError
 from loorl.types import RolloutBatch
@@ -47,7 +47,7 @@ def clipped_surrogate_token_loss(
         seq_log_ratio = masked_mean(log_ratio, valid, -1, keepdim=True)  # [N, 1]
         log_ratio = seq_log_ratio.expand_as(logprobs)  # [N, T]
     ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO).exp()  # [N, T]
-    adv = advantages.detach().to(logprobs.dtype).unsqueeze(-1)  # [N, 1]
+    adv = token_advantages(advantages, logprobs)  # [N, 1] (or [N, T] per token)
     unclipped = -adv * ratio  # [N, T]
     clipped_loss = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)  # [N, T]
     loss = torch.maximum(unclipped, clipped_loss)  # [N, T]
@@ -79,7 +79,7 @@ def _token_terms(logprobs: torch.Tensor, batch: RolloutBatch):
     old = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs.detach()  # [n, C]
     logp = torch.where(valid, logprobs, 0.0)  # [n, C]
     old = torch.where(valid, old, 0.0)  # [n, C]
-    adv = batch.advantages.detach().to(logprobs.dtype).unsqueeze(-1)  # [n, 1]
+    adv = token_advantages(batch.advantages, logprobs)  # [n, 1] (or [n, C] per token: RL-ZVP)
     return valid, logp, old, logp - old, adv
 
 

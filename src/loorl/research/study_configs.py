@@ -82,8 +82,15 @@ def check_part(part: Part, *, echo=print) -> None:
                 )
 
 
+# Keys added to the config after studies had run, at the value that leaves a run as it was: left out of
+# the digest at that value, so that the runs from before keep their folders (and are not run again).
+LATER_KEYS: dict[str, object] = {"loss.zvp_alpha": None}  # RL-ZVP off (issue 81)
+
+
 def config_digest(config: dict) -> str:
-    """A short hash of a resolved config without its seed-valued keys: the folder of a setting's runs."""
+    """A short hash of a resolved config without its seed-valued keys and the `LATER_KEYS` at their
+    neutral values: the folder of a setting's runs."""
     seed = config.get("seed")
     kept = {k: v for k, v in config.items() if not ((k == "seed" or k.endswith(".seed")) and v == seed)}
+    kept = {k: v for k, v in kept.items() if not (k in LATER_KEYS and v == LATER_KEYS[k])}
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:10]

@@ -197,6 +197,7 @@ class LossSettings(Section):
     clip_cov_high: float = 5.0
     kl_cov_coef: NonNegativeFloat = 0.1
     dro_beta: PositiveFloat = 0.1
+    zvp_alpha: PositiveFloat | None = None  # RL-ZVP: entropy-shaped advantages for groups without spread
 
     def __post_init__(self) -> None:
         token_loss_of(self.name, self.target)  # an unknown name or a bad `_target_`: one line now

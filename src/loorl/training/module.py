@@ -31,6 +31,7 @@ from loorl.algo.estimators import AdvantageInput
 from loorl.algo.kl import AdaptiveKLController, FixedKLController, sequence_kl
 from loorl.algo.logprobs import FrozenReference, completion_logprobs, completion_scores
 from loorl.algo.objectives import LossStats, policy_loss, token_loss_of
+from loorl.algo.zero_variance import zero_variance_signs
 from loorl.models.load import load_causal_lm
 from loorl.models.lora import AdapterFreeReference, apply_lora, frozen_names
 from loorl.parallel.distributed import all_reduce, gather_rows, rank_and_world
@@ -220,12 +221,20 @@ class PolicyGradientModule(L.LightningModule):
             batch = replace(batch, ref_logprobs=ref)
         if batch.estimator_groups is None:
             inputs = AdvantageInput.of_batch(everyone, shaped, lengths)  # [W*B, K] every rank's groups
-            advantages = self.advantage_fn(inputs, whiten=self.estimator.whiten).reshape(-1)  # [W*N]
+            as_groups = lambda rows: rows.view(inputs.rewards.shape)  # noqa: E731  [W*N] -> [W*B, K]
+            on_rows = lambda per_group: per_group.reshape(-1)  # noqa: E731  [W*B, K] -> [W*N]
         else:  # a prompt's K grown (rl.prompt_pools.grow_groups): its groups are one for the estimator
             inputs, index = merged_rows(shaped, lengths, gather_rows(batch.estimator_groups))  # [G, M]
-            advantages = unmerged(self.advantage_fn(inputs, whiten=self.estimator.whiten), index, len(shaped))
+            as_groups = lambda rows: torch.where(index >= 0, rows[index.clamp(min=0)], torch.nan)  # noqa: E731
+            on_rows = lambda per_group: unmerged(per_group, index, len(shaped))  # noqa: E731  [G, M] -> [W*N]
+        advantages = on_rows(self.advantage_fn(inputs, whiten=self.estimator.whiten))  # [W*N]
         metrics["rollout/advantage_abs_mean"] = float(advantages.abs().mean())
-        return replace(batch, advantages=advantages.view(world, -1)[rank]), metrics  # [N] this rank's
+        mine = lambda rows: rows.view(world, -1)[rank]  # noqa: E731  [W*N] -> [N] this rank's
+        if self.loss_settings.zvp_alpha is not None:  # RL-ZVP: which groups had no spread, and which way
+            verdicts = None if batch.correct is None else as_groups(gather_rows(batch.correct))  # [groups]
+            signs = zero_variance_signs(inputs, verdicts)  # [W*B, K] or [G, M]
+            batch = replace(batch, zero_variance_sign=mine(on_rows(signs)))  # [N]
+        return replace(batch, advantages=mine(advantages)), metrics
 
     # ---- training ------------------------------------------------------------------------------
     def training_step(self, rollout: Rollout, batch_idx: int) -> torch.Tensor:
