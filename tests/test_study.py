@@ -18,6 +18,7 @@ from loorl.config import ConfigError
 from loorl.research import study as study_module
 from loorl.research.study import load_study
 from loorl.research.study_configs import LATER_KEYS, check_part, config_digest
+from loorl.research.study_records import keep_record
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDY = [sys.executable, str(ROOT / "scripts" / "research" / "study.py")]
@@ -380,6 +381,7 @@ def test_a_rerun_runs_only_what_is_missing(quick_study, capsys):
     stopped = json.loads(lost.read_text())
     stopped["summary"]["rl_steps"] = 0  # as a run stopped before its one step writes it
     lost.write_text(json.dumps(stopped))
+    (out / "report" / "runs" / lost.parts[-3] / "seed1.json.gz").unlink()  # and never recorded
     label = json.loads((lost.parent.parent / "setting.json").read_text())["label"]
     other = {"rloo": "grpo", "grpo": "rloo"}[label]
     study = load_script("research/study.py")  # its main here (its runs are processes of their own)
@@ -389,6 +391,35 @@ def test_a_rerun_runs_only_what_is_missing(quick_study, capsys):
     assert study.main([*command[2:], "--only", "estimators"]) == 0
     assert "[estimators] 3 runs finished before, 1 to run" in capsys.readouterr().out
     assert json.loads(lost.read_text())["summary"]["rl_steps"] == 1
+
+
+def test_a_fresh_clone_writes_the_same_report_from_the_records_alone(quick_study, tmp_path, capsys):
+    out, command, _ = quick_study
+    report = out / "report"
+    records = sorted((report / "runs").glob("*/seed*.json.gz"))
+    runs = {f"{p.parts[-3]}/{p.parts[-2]}" for p in (out / "runs" / "runs").glob("*/seed*/metrics.json")}
+    trained = {r for r in runs if "-" not in r.split("/")[0]}  # the probe part's own run has no record
+    assert {f"{r.parent.name}/{r.name.removesuffix('.json.gz')}" for r in records} >= trained
+    assert all(r.stat().st_size < 100_000 for r in records)
+    folder = out / "runs" / "runs" / records[0].parent.name / records[0].name.removesuffix(".json.gz")
+    assert keep_record(folder, records[0]) is False  # the same run, the same bytes
+    clone = tmp_path / "clone" / "report"  # the same folder name: the page's image links are its name
+    clone.mkdir(parents=True)
+    for path in report.rglob("*.json.gz"):
+        target = clone / path.relative_to(report)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(path.read_bytes())
+    study = load_script("research/study.py")
+    args = list(command[2:])
+    args[args.index("--out") + 1] = str(tmp_path / "no-runs")
+    args[args.index("--report-dir") + 1] = str(clone)
+    assert study.main([*args, "--only", "estimators"]) == 0  # not --report: it would run what is missing
+    assert "[estimators] 4 runs finished before, 0 to run" in capsys.readouterr().out
+    assert not (tmp_path / "no-runs" / "runs").exists()
+    assert (clone / "estimators.md").read_text() == (report / "estimators.md").read_text()
+    assert json.loads((clone / "estimators.json").read_text()) == json.loads(
+        (report / "estimators.json").read_text()
+    )
 
 
 def test_the_plan_prints_the_differences_and_bad_arguments_are_one_line(capsys):

@@ -14,7 +14,10 @@ setting printed; a difference the part does not name stops the study. Runs go to
 `<out>/runs/<config hash>/seed<i>/` (out: outputs/studies/NAME); a finished one is never run again, so
 an interrupted study continues where it stopped, and a run cut short resumes from its last checkpoint
 where it kept one. The report goes to the study's `report_dir`: per part `<part>.md` (tables),
-`<part>.json` (every number) and `<part>_*.png`.
+`<part>.json` (every number) and `<part>_*.png`. Each finished run is also recorded there
+(`runs/<config hash>/seed<i>.json.gz`: its config and metrics, about 30 KB), and a recorded run
+counts as finished: commit the records with the report, and a fresh clone writes the same report, or
+adds seeds and settings to it, without the run folders.
 """
 
 from __future__ import annotations
@@ -99,20 +102,20 @@ def main(argv: list[str]) -> int:
     if args.plan:
         return 0
     out = (args.out or ROOT / "outputs" / "studies" / args.name).resolve()
+    report_dir = (args.report_dir or ROOT / study.report_dir).resolve()  # also the finished runs' records
     started, failed = time.perf_counter(), []
     if not args.report:
         for part in study.parts:
             if part.kind == "probe":
-                failed += run_probe(out, part)
+                failed += run_probe(out, part, records=report_dir)
             else:
-                failed += run_training(out, part, labels=args.settings)
+                failed += run_training(out, part, labels=args.settings, records=report_dir)
     per_step = {
         part.name: {s.label: s.report_facts for s in part.settings}
         for part in study.parts
         if part.kind == "train"
     }
     command = shlex.join(["python", "scripts/research/study.py", *argv])
-    report_dir = (args.report_dir or ROOT / study.report_dir).resolve()
     write_study_report(study, out, report_dir, per_step, command=command, machine=machine())
     minutes = (time.perf_counter() - started) / 60
     print(f"report written to {report_dir}/ ({minutes:.1f} min)")

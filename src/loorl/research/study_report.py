@@ -14,13 +14,14 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from loorl.research.jobs import Job, read_jobs
+from loorl.research.jobs import Job
 from loorl.research.probe import read_results
 from loorl.research.stats import mean_ci
 from loorl.research.study import Part
 from loorl.research.study_pairing import check_pairing
 from loorl.research.study_plots import plot_accuracy, plot_dynamics, plot_length
-from loorl.research.study_runs import did_all_steps, probe_folder, run_dir
+from loorl.research.study_records import keep_record, read_record, read_run, record_path
+from loorl.research.study_runs import did_all_steps, kept_probes, probe_folder, run_dir
 from loorl.research.study_tables import (
     comparison_table,
     dynamics_table,
@@ -33,15 +34,22 @@ from loorl.research.study_tables import (
 )
 
 
-def part_jobs(out: Path, part: Part) -> dict[str, dict[int, Job]]:
-    """label -> seed -> the finished run."""
+def part_jobs(out: Path, part: Part, records: Path | None = None) -> dict[str, dict[int, Job]]:
+    """label -> seed -> the finished run: from its run folder (and then kept in `records`), else from
+    its record (`loorl.research.study_records`). A run stopped early is not tabulated."""
     found = {}
     for setting in part.settings:
         jobs = {}
         for seed in part.seeds:
-            run = read_jobs([run_dir(out, setting, seed)])[0]
-            if run and did_all_steps(run[0].summary, setting.steps):  # a run stopped early is not tabulated
-                jobs[seed] = replace(run[0], seed=seed)
+            folder = run_dir(out, setting, seed)
+            run = read_run(folder, seed)
+            if run and did_all_steps(run.summary, setting.steps):
+                if records is not None:
+                    keep_record(folder, record_path(records, setting, seed))
+            elif records is not None:
+                run = read_record(record_path(records, setting, seed), seed)
+            if run and did_all_steps(run.summary, setting.steps):
+                jobs[seed] = replace(run, seed=seed)
         found[setting.label] = jobs
     return found
 
@@ -50,13 +58,17 @@ def write_json(path: Path, data) -> None:
     path.write_text(json.dumps(data, indent=1, default=float))
 
 
-def probe_table(out: Path, part: Part, learning: dict[str, dict[str, list[float]]]) -> tuple[list[str], dict]:
+def probe_table(
+    out: Path, part: Part, learning: dict[str, dict[str, list[float]]], kept: dict[int, dict] | None = None
+) -> tuple[list[str], dict]:
     """Each estimator's relative gradient variance at each probed step, beside how it learned in the
-    estimators part (`learning`: label -> per-seed metrics; empty when that part has no runs)."""
-    results = {}
+    estimators part (`learning`: label -> per-seed metrics; empty when that part has no runs); `kept`:
+    step -> results the report held before (`kept_probes`), where `out` has none for that step."""
+    results = dict(kept or {})
     for folder in sorted(probe_folder(out, part, 0).parent.glob("step*"), key=lambda p: int(p.name[4:])):
         if (found := read_results(folder)) is not None:
             results[int(folder.name[4:])] = found
+    results = dict(sorted(results.items()))
     if not results:
         return ["(no probe results yet)"], {}
     steps = list(results)
@@ -137,13 +149,14 @@ def write_study_report(
     for part in study.parts:
         only = f"{command.split(' --', 1)[0]} --only {part.name}"
         if part.kind == "probe":
-            lines, results = probe_table(out, part, learning.get(part.probe.get("beside"), {}))
+            beside = learning.get(part.probe.get("beside"), {})
+            lines, results = probe_table(out, part, beside, kept_probes(report_dir, part))
             seconds = sum(r["seconds"] for r in results.values())
             text = [f"Command: `{only}` ({seconds / 60:.1f} min of probes; {machine})", "", *lines]
             (report_dir / f"{part.name}.md").write_text("\n".join(text) + "\n")
             write_json(report_dir / f"{part.name}.json", results)
             continue
-        jobs = part_jobs(out, part)
+        jobs = part_jobs(out, part, report_dir)
         runs = sum(len(v) for v in jobs.values())
         if not runs:  # the page that includes the part's table still builds
             (report_dir / f"{part.name}.md").write_text(f"No finished runs yet: `{only}` runs them.\n")

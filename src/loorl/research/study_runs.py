@@ -16,6 +16,7 @@ from pathlib import Path
 from loorl.config import CONF_DIR
 from loorl.research.probe import probe, read_results
 from loorl.research.study import Part, Setting, probe_options
+from loorl.research.study_records import keep_record, read_record, record_path
 from loorl.util.allocator import release_memory
 
 
@@ -35,20 +36,32 @@ def did_all_steps(summary: dict, steps: int) -> bool:
     return summary.get("rl_steps", 0) >= steps
 
 
+def recorded(records: Path | None, setting: Setting, seed: int) -> bool:
+    """The study's records (`loorl.research.study_records`) hold this run, finished."""
+    if records is None:
+        return False
+    run = read_record(record_path(records, setting, seed), seed)
+    return run is not None and did_all_steps(run.summary, setting.steps)
+
+
 def train_command(setting: Setting, seed: int, folder: Path, extra: list[str] = ()) -> list[str]:
     root = CONF_DIR.parent
     return [sys.executable, str(root / "src" / "train.py"), *setting.overrides, f"seed={seed}",
             f"hydra.run.dir={folder}", "resume_from=auto", *extra]  # fmt: skip
 
 
-def run_training(out: Path, part: Part, *, labels: list[str] | None = None, echo=print) -> list[Path]:
+def run_training(
+    out: Path, part: Part, *, labels: list[str] | None = None, records: Path | None = None, echo=print
+) -> list[Path]:
     """Every (setting, seed) of a train part without results, seed by seed (all settings of seed 0
     first: an interrupted study has whole seeds); `labels`: these settings only (the report still
-    takes every finished run). A run that fails is reported and left for the next invocation. Returns
-    the folders that failed."""
+    takes every finished run). A run is finished where its folder or the study's `records` say so; a
+    run that finishes is recorded there at once. A run that fails is reported and left for the next
+    invocation. Returns the folders that failed."""
     failed = []
     chosen = [s for s in part.settings if labels is None or s.label in labels]
-    todo = [(seed, s) for seed in part.seeds for s in chosen if not finished(run_dir(out, s, seed), s.steps)]
+    todo = [(seed, s) for seed in part.seeds for s in chosen
+            if not finished(run_dir(out, s, seed), s.steps) and not recorded(records, s, seed)]  # fmt: skip
     done = len(part.seeds) * len(chosen) - len(todo)
     echo(f"[{part.name}] {done} runs finished before, {len(todo)} to run")
     for i, (seed, setting) in enumerate(todo, 1):
@@ -70,6 +83,8 @@ def run_training(out: Path, part: Part, *, labels: list[str] | None = None, echo
             echo(f"[{part.name}]   failed (exit {code}) after {seconds:.0f} s: see {folder / 'study.log'}")
         else:
             echo(f"[{part.name}]   done in {seconds:.0f} s")
+            if records is not None:
+                keep_record(folder, record_path(records, setting, seed))
     return failed
 
 
@@ -93,13 +108,26 @@ def probe_folder(out: Path, part: Part, step: int) -> Path:
     return out / "probe" / part.name / f"step{step}"
 
 
-def run_probe(out: Path, part: Part, *, echo=print) -> list[Path]:
+def kept_probes(records: Path | None, part: Part) -> dict[int, dict]:
+    """Step -> the probe's results as the report last wrote them (`<report_dir>/<part>.json`): the
+    record of a probe part."""
+    path = None if records is None else records / f"{part.name}.json"
+    if path is None or not path.is_file():
+        return {}
+    return {int(step): found for step, found in json.loads(path.read_text()).items()}
+
+
+def run_probe(out: Path, part: Part, *, records: Path | None = None, echo=print) -> list[Path]:
     """Train the part's setting with a checkpoint every `probe.every` steps (all kept), then run the
-    gradient-variance probe (`loorl.research.probe`) on the policy before RL and at each checkpoint.
-    Returns what failed (a failed probe's traceback is in its folder's study.log)."""
+    gradient-variance probe (`loorl.research.probe`) on the policy before RL and at each checkpoint;
+    nothing where the report in `records` holds every step's results. Returns what failed (a failed
+    probe's traceback is in its folder's study.log)."""
     setting, seed = part.settings[0], int(part.probe.get("seed", 0))
     folder = probe_run_dir(out, part)
     every = int(part.probe["every"])
+    if set(range(0, setting.steps + 1, every)) <= set(kept_probes(records, part)):
+        echo(f"[{part.name}] every probe is in the report's records: nothing to run")
+        return []
     if not finished(folder, setting.steps):
         folder.mkdir(parents=True, exist_ok=True)
         command = train_command(setting, seed, folder, [f"checkpoint_every={every}", "checkpoint_keep=-1"])

@@ -1,0 +1,65 @@
+"""A study's finished runs kept beside its report, so that the report can be written again, and the study
+extended, where the run folders are gone (a fresh clone, another machine, a later session).
+
+A record is `<report_dir>/runs/<config digest>/seed<i>.json.gz`: what the report reads from a run
+folder (the overrides it was given, its resolved config, and `metrics.json`: the summary and every
+metric's history), and nothing else (no weights, no logs). It is gzipped JSON with a fixed timestamp, so
+the same run gives the same bytes. A finished run with a record is never run again; a report takes each
+(setting, seed) from its run folder where that run is finished, else from its record.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import yaml
+
+from loorl.research.jobs import Job, read_jobs
+from loorl.research.study import Setting
+
+
+def record_path(report_dir: Path, setting: Setting, seed: int) -> Path:
+    return report_dir / "runs" / setting.digest / f"seed{seed}.json.gz"
+
+
+def record_bytes(folder: Path) -> bytes:
+    """The record of the finished run in `folder` (its `.hydra/overrides.yaml`, `config.yaml` and
+    `metrics.json`), as the bytes a record file holds."""
+    overrides = yaml.safe_load((folder / ".hydra" / "overrides.yaml").read_text()) or []
+    config_file = folder / "config.yaml"
+    record = {
+        "overrides": [str(o) for o in overrides],
+        "config": (yaml.safe_load(config_file.read_text()) if config_file.is_file() else None) or {},
+        "metrics": json.loads((folder / "metrics.json").read_text()),
+    }
+    text = json.dumps(record, sort_keys=True, separators=(",", ":"))
+    return gzip.compress(text.encode(), compresslevel=9, mtime=0)  # mtime=0: the same run, the same bytes
+
+
+def keep_record(folder: Path, path: Path) -> bool:
+    """Write (or bring up to date) the record of the finished run in `folder` at `path`; whether it
+    changed."""
+    data = record_bytes(folder)
+    if path.is_file() and path.read_bytes() == data:
+        return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return True
+
+
+def read_record(path: Path, seed: int) -> Job | None:
+    """The run a record holds, as the report reads a run folder; None where there is no record."""
+    if not path.is_file():
+        return None
+    record = json.loads(gzip.decompress(path.read_bytes()))
+    metrics = record["metrics"]
+    history = {k: [tuple(p) for p in v] for k, v in metrics["history"].items()}
+    return Job(path, record["overrides"], seed, metrics["summary"], history, record["config"])
+
+
+def read_run(folder: Path, seed: int) -> Job | None:
+    """The run in a run folder, where it wrote its metrics; None otherwise."""
+    jobs = read_jobs([folder])[0]
+    return jobs[0] if jobs else None
