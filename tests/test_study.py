@@ -19,6 +19,8 @@ from loorl.research import study as study_module
 from loorl.research.study import load_study
 from loorl.research.study_configs import LATER_KEYS, check_part, config_digest
 from loorl.research.study_records import keep_record
+from loorl.research.study_report import probe_table
+from loorl.research.study_runs import kept_probes, run_probe
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDY = [sys.executable, str(ROOT / "scripts" / "research" / "study.py")]
@@ -420,6 +422,19 @@ def test_a_fresh_clone_writes_the_same_report_from_the_records_alone(quick_study
     assert json.loads((clone / "estimators.json").read_text()) == json.loads(
         (report / "estimators.json").read_text()
     )
+
+
+def test_a_probe_part_is_read_back_from_its_report_and_not_run_again(which_estimator, tmp_path):
+    study, _ = which_estimator
+    part = next(p for p in study.parts if p.name == "variance")
+    report = ROOT / study.report_dir
+    learning = json.loads((report / "estimators.json").read_text())["settings"]
+    lines, results = probe_table(tmp_path, part, learning, kept_probes(report, part))  # no probe folders
+    assert sorted(results) == [0, 20, 40]
+    page = (report / "variance.md").read_text().splitlines()
+    assert lines == page[2:]  # the published table and its caption, below the command line
+    assert run_probe(tmp_path, part, records=report, echo=lambda _: None) == []
+    assert not list(tmp_path.iterdir())  # nothing trained, nothing probed
 
 
 def test_the_plan_prints_the_differences_and_bad_arguments_are_one_line(capsys):
