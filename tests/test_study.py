@@ -135,6 +135,11 @@ def test_the_real_study_differs_only_where_it_says(which_estimator):
     assert digest[("k", "rloo_K4")] == digest[("estimators", "rloo")]
     assert digest[("k", "grpo_K4")] == digest[("estimators", "grpo")]
     assert len({digest[("estimators", s.label)] for s in parts["estimators"].settings}) == 8
+    # the three-dataset part: the same eight settings and comparisons (YAML anchors) on study_tiny3
+    three = parts["estimators_3"]
+    assert [s.label for s in three.settings] == [s.label for s in parts["estimators"].settings]
+    assert three.comparisons == parts["estimators"].comparisons and three.settings[0].steps == 200
+    assert not {s.digest for s in three.settings} & {s.digest for s in parts["estimators"].settings}
 
 
 def test_run_i_of_every_setting_draws_the_same_prompts_in_the_same_order(which_estimator):
