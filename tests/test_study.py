@@ -135,9 +135,12 @@ def test_the_real_study_differs_only_where_it_says(which_estimator):
     assert digest[("k", "rloo_K4")] == digest[("estimators", "rloo")]
     assert digest[("k", "grpo_K4")] == digest[("estimators", "grpo")]
     assert len({digest[("estimators", s.label)] for s in parts["estimators"].settings}) == 8
-    # the three-dataset part: the same eight settings and comparisons (YAML anchors) on study_tiny3
-    three = parts["estimators_3"]
-    assert [s.label for s in three.settings] == [s.label for s in parts["estimators"].settings]
+    # the three-dataset part: the same eight settings and comparisons on study_tiny3
+    three, old = parts["estimators_3"], parts["estimators"]
+    assert [(s.label, s.overrides[1:]) for s in three.settings] == [
+        (s.label, s.overrides[1:]) for s in old.settings
+    ]
+    assert three.may_differ == old.may_differ
     assert three.comparisons == parts["estimators"].comparisons and three.settings[0].steps == 200
     assert not {s.digest for s in three.settings} & {s.digest for s in parts["estimators"].settings}
 
