@@ -15,7 +15,7 @@ setting printed; a difference the part does not name stops the study. Runs go to
 an interrupted study continues where it stopped, and a run cut short resumes from its last checkpoint
 where it kept one. The report goes to the study's `report_dir`: per part `<part>.md` (tables),
 `<part>.json` (every number) and `<part>_*.png`. Each finished run is also recorded there
-(`runs/<config hash>/seed<i>.json.gz`: its config and metrics, about 30 KB), and a recorded run
+(`runs/<config hash>/seed<i>.json.gz`: its config and metrics, 30-75 KB), and a recorded run
 counts as finished: commit the records with the report, and a fresh clone writes the same report, or
 adds seeds and settings to it, without the run folders.
 """
