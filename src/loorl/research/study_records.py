@@ -14,8 +14,6 @@ import gzip
 import json
 from pathlib import Path
 
-import yaml
-
 from loorl.research.jobs import Job, read_jobs
 from loorl.research.study import Setting
 
@@ -25,14 +23,13 @@ def record_path(report_dir: Path, setting: Setting, seed: int) -> Path:
 
 
 def record_bytes(folder: Path) -> bytes:
-    """The record of the finished run in `folder` (its `.hydra/overrides.yaml`, `config.yaml` and
-    `metrics.json`), as the bytes a record file holds."""
-    overrides = yaml.safe_load((folder / ".hydra" / "overrides.yaml").read_text()) or []
-    config_file = folder / "config.yaml"
+    """The record of the finished run in `folder`, read as every report reads a run folder
+    (`loorl.research.jobs.read_jobs`), as the bytes a record file holds."""
+    run = read_run(folder)
     record = {
-        "overrides": [str(o) for o in overrides],
-        "config": (yaml.safe_load(config_file.read_text()) if config_file.is_file() else None) or {},
-        "metrics": json.loads((folder / "metrics.json").read_text()),
+        "overrides": run.overrides,
+        "config": run.config,
+        "metrics": {"summary": run.summary, "history": run.history},  # metrics.json's two keys
     }
     text = json.dumps(record, sort_keys=True, separators=(",", ":"))
     return gzip.compress(text.encode(), compresslevel=9, mtime=0)  # mtime=0: the same run, the same bytes
@@ -59,7 +56,7 @@ def read_record(path: Path, seed: int) -> Job | None:
     return Job(path, record["overrides"], seed, metrics["summary"], history, record["config"])
 
 
-def read_run(folder: Path, seed: int) -> Job | None:
+def read_run(folder: Path) -> Job | None:
     """The run in a run folder, where it wrote its metrics; None otherwise."""
     jobs = read_jobs([folder])[0]
     return jobs[0] if jobs else None

@@ -42,7 +42,7 @@ def part_jobs(out: Path, part: Part, records: Path | None = None) -> dict[str, d
         jobs = {}
         for seed in part.seeds:
             folder = run_dir(out, setting, seed)
-            run = read_run(folder, seed)
+            run = read_run(folder)
             if run and did_all_steps(run.summary, setting.steps):
                 if records is not None:
                     keep_record(folder, record_path(records, setting, seed))
