@@ -18,7 +18,7 @@ from fixtures import load_script
 from loorl.config import ConfigError
 from loorl.research import study as study_module
 from loorl.research.study import load_study
-from loorl.research.study_configs import LATER_KEYS, check_part, config_digest
+from loorl.research.study_configs import LATER_KEYS, check_part, config_digest, differences, resolved
 from loorl.research.study_records import keep_record
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -333,3 +333,15 @@ def test_a_key_added_later_leaves_the_digest_of_earlier_runs_at_its_neutral_valu
     assert config_digest({**before, "loss.zvp_alpha": 0.1}) != config_digest(before)
     assert LATER_KEYS["loss.zvp_alpha"] is None
     assert config_digest({**before, "seed": 4}) == config_digest(before)  # the seed never counts
+
+
+def test_the_cache_path_does_not_change_a_runs_folder(monkeypatch, tmp_path):
+    """`LOORL_CACHE` lands in the resolved config (`model.cache_dir`); a machine with its own cache path
+    computes the same digests, so it finds the runs and records made elsewhere (the published ones)."""
+    overrides = ["experiment=study_tiny3", "estimator=grpo"]
+    monkeypatch.delenv("LOORL_CACHE", raising=False)
+    default = resolved(overrides, 0)
+    monkeypatch.setenv("LOORL_CACHE", str(tmp_path / "cache"))
+    elsewhere = resolved(overrides, 0)
+    assert differences(default, elsewhere) == {"model.cache_dir": ("~/.cache/loorl", str(tmp_path / "cache"))}
+    assert config_digest(elsewhere) == config_digest(default)

@@ -86,11 +86,17 @@ def check_part(part: Part, *, echo=print) -> None:
 # the digest at that value, so that the runs from before keep their folders (and are not run again).
 LATER_KEYS: dict[str, object] = {"loss.zvp_alpha": None}  # RL-ZVP off (issue 81)
 
+# Where a run reads its cached models (`LOORL_CACHE`): not what it computes. Hashed at the default, so a
+# run's folder and record are the same whatever the machine's cache path (and the digests made before
+# this, all at the default, stay).
+PLACE_KEYS: dict[str, str] = {"model.cache_dir": "~/.cache/loorl"}
+
 
 def config_digest(config: dict) -> str:
     """A short hash of a resolved config without its seed-valued keys and the `LATER_KEYS` at their
-    neutral values: the folder of a setting's runs."""
+    neutral values, the `PLACE_KEYS` at their defaults: the folder of a setting's runs."""
     seed = config.get("seed")
     kept = {k: v for k, v in config.items() if not ((k == "seed" or k.endswith(".seed")) and v == seed)}
     kept = {k: v for k, v in kept.items() if not (k in LATER_KEYS and v == LATER_KEYS[k])}
+    kept |= {k: v for k, v in PLACE_KEYS.items() if k in kept}
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:10]
