@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from loorl.research.stats import holm, paired_difference
+from loorl.research.study import load_study
 from loorl.research.study_pairing import check_pairing
 from loorl.research.study_report import merge_headlines
 
@@ -127,3 +128,13 @@ def test_a_report_of_some_parts_keeps_the_other_parts_headlines_in_place():
     assert merged == existing.replace("y 2.\n  Paired: b - a.", "y 3.\n  No paired difference.")
     assert merge_headlines("", {"C": ["- **C**: z."]}) == "- **C**: z.\n"
     assert merge_headlines(existing, {"C": ["- **C**: z."]}) == existing + "- **C**: z.\n"
+
+
+def test_headlines_follow_the_study_files_order_whichever_part_is_reported():
+    existing = "- **A**: x.\n- **B**: y.\n  Paired: b - a.\n- **Gone**: w.\n"
+    new = merge_headlines(existing, {"C": ["- **C**: z."]}, order=("A", "C", "B"))
+    assert new == "- **A**: x.\n- **C**: z.\n- **B**: y.\n  Paired: b - a.\n- **Gone**: w.\n"
+    study = load_study("which_estimator", only=["estimators_3"])  # one part reported, every title known
+    assert [p.name for p in study.parts] == ["estimators_3"]
+    full = load_study("which_estimator")
+    assert study.part_titles == tuple(p.title for p in full.parts) and len(study.part_titles) > 1

@@ -88,6 +88,7 @@ class Study:
     title: str
     report_dir: Path
     parts: list[Part]
+    part_titles: tuple[str, ...] = ()  # every part's title in the file's order, `--only` or not
 
 
 def study_names() -> list[str]:
@@ -115,7 +116,9 @@ def load_study(
         for part, spec in parts_raw.items()
         if not only or part in only
     ]
-    return Study(name, raw.get("title", name), Path(raw.get("report_dir", f"outputs/studies/{name}")), parts)
+    titles = tuple(str((spec or {}).get("title", part)) for part, spec in parts_raw.items())
+    report_dir = Path(raw.get("report_dir", f"outputs/studies/{name}"))
+    return Study(name, raw.get("title", name), report_dir, parts, titles)
 
 
 def _part(study: str, name: str, spec: dict, max_seeds: int | None, extra: list[str]) -> Part:

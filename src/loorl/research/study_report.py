@@ -212,20 +212,24 @@ def write_study_report(
         write_json(report_dir / f"{part.name}.json", payload)
     if headlines:
         path = report_dir / "headline.md"
-        path.write_text(merge_headlines(path.read_text() if path.exists() else "", headlines))
+        existing = path.read_text() if path.exists() else ""
+        path.write_text(merge_headlines(existing, headlines, study.part_titles))
 
 
-def merge_headlines(existing: str, blocks: dict[str, list[str]]) -> str:
+def merge_headlines(existing: str, blocks: dict[str, list[str]], order: tuple[str, ...] = ()) -> str:
     """headline.md with the reported parts' bullets (`blocks`: part title -> lines) in place of their
-    earlier ones; other parts' bullets (a report of `--only` some parts) stay where they were, and a
-    part new to the file goes last."""
-    kept: list[tuple[str | None, list[str]]] = []  # (title or None, lines), in the file's order
+    earlier ones; other parts' bullets (a report of `--only` some parts) are kept. The bullets follow
+    `order` (the study file's part titles); those it does not name (a part the file no longer has) come
+    last, in their order."""
+    kept: dict[str, list[str]] = {}  # title -> lines, in the file's order
+    title = None
     for line in existing.splitlines():
         if line.startswith("- **"):
-            kept.append((line[4:].split("**", 1)[0], [line]))
-        elif kept:
-            kept[-1][1].append(line)
-    titles = [title for title, _ in kept]
-    out = [blocks.get(title, lines) for title, lines in kept]
-    out += [lines for title, lines in blocks.items() if title not in titles]
-    return "\n".join(line for lines in out for line in lines) + "\n"
+            title = line[4:].split("**", 1)[0]
+            kept[title] = [line]
+        elif title is not None:
+            kept[title].append(line)
+    merged = kept | blocks  # a replaced part keeps its place; a new one comes after the old ones
+    rank = {title: i for i, title in enumerate(order)}
+    titles = sorted(merged, key=lambda t: rank.get(t, len(order)))  # stable: unranked keep their order
+    return "\n".join(line for title in titles for line in merged[title]) + "\n"
