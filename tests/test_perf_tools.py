@@ -258,6 +258,22 @@ def test_paired_seeds_table_both_systems_per_seed():
     assert "Mean difference over 2 seed(s): -1.0 points." in text  # (-4.5 + 2.5) / 2
 
 
+def test_a_finished_runs_row_is_kept_and_a_run_cut_short_starts_again(tmp_path):
+    """A later invocation takes a finished run's row (nothing runs); other overrides, or no row, run."""
+    bench = _script("bench_vs_trl")
+    missing = tmp_path / "no-such-python"  # starting a TRL run with it would raise
+    overrides = [*bench.WORK["recipe"]["overrides"], "rl.steps=60", "seed=1"]
+    row = {"system": "trl", "work": "recipe", "run": 1, "seed": 1, "accuracy": 0.8, "overrides": overrides}
+    (tmp_path / "recipe-trl-1.row.json").write_text(json.dumps(row))
+    again = bench.run_once("trl", "recipe", 60, 1, tmp_path, missing, paired_seeds=True)
+    assert again == row
+    partial = tmp_path / "recipe-trl-1"
+    (partial / "csv").mkdir(parents=True)  # a run of 15 steps cut short
+    with pytest.raises(FileNotFoundError, match="no-such-python"):  # 15 steps: the 60-step row is not it
+        bench.run_once("trl", "recipe", 15, 1, tmp_path, missing, paired_seeds=True)
+    assert not partial.exists()
+
+
 # ---- the TRL interpreter: a venv made on first use, or --trl-python (offline) ------------------------
 def _fake_trl_packages(root: Path) -> Path:
     """Empty `trl`, `accelerate` and `datasets` packages: what --trl-python's check imports."""

@@ -29,6 +29,10 @@ datasets` is refused in one line before any run starts. On a GPU node both syste
 runs as configured (its step-0 and final validations and policy export included in its whole-process
 time; TRL evaluates nothing while training).
 
+A finished run's row is kept beside its log (`vs_trl_runs/<work>-<system>-<i>.row.json`), and a later
+invocation with the same overrides takes it instead of running again: a comparison stopped after seed 0
+(Ctrl-C) continues with seed 1, and the table holds every run. A run cut short starts again from scratch.
+
     python scripts/bench/bench_vs_trl.py --trl-python /opt/trl-env/bin/python   # offline: TRL already there
 """
 
@@ -223,6 +227,11 @@ def run_once(
 ) -> dict:
     overrides = [*WORK[work]["overrides"], f"rl.steps={steps}", *([f"seed={index}"] if paired_seeds else [])]
     run = out / f"{work}-{system}-{index}"
+    kept = out / f"{run.name}.row.json"  # the finished run's row: a later invocation takes it as it is
+    if kept.is_file() and (row := json.loads(kept.read_text())).get("overrides") == overrides:
+        print(f"{run.name}: finished before, its row kept ({kept})", flush=True)
+        return row
+    shutil.rmtree(run, ignore_errors=True)  # a run cut short: its files would mix into this one's
     if system == "loorl":
         cmd = [sys.executable, "src/train.py", *overrides, *LOORL_RUN, f"val_every={steps}",
                f"hydra.run.dir={run}"]  # fmt: skip
@@ -232,7 +241,9 @@ def run_once(
     metrics = (loorl_step_metrics if system == "loorl" else trl_step_metrics)(run)
     accuracy = held_out_accuracy(run / "policy", WORK[work]["overrides"], out / f"{run.name}-eval")
     row = {"system": system, "work": work, "run": index, "seed": index if paired_seeds else None,
-           "process_s": seconds, "peak_mib": peak / 2**20, "accuracy": accuracy, **metrics}  # fmt: skip
+           "process_s": seconds, "peak_mib": peak / 2**20, "accuracy": accuracy, **metrics,
+           "overrides": overrides}  # fmt: skip
+    kept.write_text(json.dumps(row, indent=1))
     print(json.dumps(row), flush=True)
     return row
 
