@@ -116,9 +116,13 @@ def load_study(
         for part, spec in parts_raw.items()
         if not only or part in only
     ]
-    titles = tuple(str((spec or {}).get("title", part)) for part, spec in parts_raw.items())
+    titles = tuple(_part_title(part, spec or {}) for part, spec in parts_raw.items())
     report_dir = Path(raw.get("report_dir", f"outputs/studies/{name}"))
     return Study(name, raw.get("title", name), report_dir, parts, titles)
+
+
+def _part_title(name: str, spec: dict) -> str:
+    return str(spec.get("title", name))
 
 
 def _part(study: str, name: str, spec: dict, max_seeds: int | None, extra: list[str]) -> Part:
@@ -167,7 +171,7 @@ def _part(study: str, name: str, spec: dict, max_seeds: int | None, extra: list[
         unknown = sorted(set(probe_spec) - PROBE_KEYS)
         if unknown or "every" not in probe_spec:
             raise ConfigError(f"{where}.probe: keys {', '.join(sorted(PROBE_KEYS))} (every is required)")
-    part = Part(name, spec.get("title", name), kind, seeds, settings, list(spec.get("may_differ") or []),
+    part = Part(name, _part_title(name, spec), kind, seeds, settings, list(spec.get("may_differ") or []),
                 comparisons, probe_spec, bool(spec.get("lengths", False)), pairing=pairing,
                 metrics=metrics, dynamics=bool(spec.get("dynamics", False)))  # fmt: skip
     if kind == "probe":
