@@ -17,9 +17,12 @@ from loorl.util.hardware import (
     TF32_HINTS,
     bf16_speedup,
     cpu_capability,
+    cpu_model,
     dtype_for_speedup,
     fast_compute_dtype,
     fastest_interleaved,
+    has_bf16_units,
+    machine_line,
     matmul_flops_per_s,
     matmul_seconds,
     set_float32_matmul_precision,
@@ -156,3 +159,25 @@ def test_the_inductor_cache_is_one_per_cpu_capability_unless_the_user_chose_one(
         assert inductor_cache_for_this_cpu() == own and os.environ["TORCHINDUCTOR_CACHE_DIR"] == own
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     assert inductor_cache_for_this_cpu() == str(tmp_path / "mine")
+
+
+XEON = """processor\t: 0
+model name\t: Intel(R) Xeon(R) Processor
+flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 amx_bf16 amx_tile
+"""
+EPYC_AVX2 = """processor\t: 0
+model name\t: AMD EPYC
+flags\t\t: fpu sse2 avx avx2 fma
+"""
+
+
+def test_the_machine_line_names_the_cpu_its_kernels_and_its_bf16_units():
+    """What a run keeps as `machine` (summary.md, metrics.json, a study's records): by hand from two
+    machines' /proc/cpuinfo, and this one's own line."""
+    assert cpu_model(XEON) == "Intel Xeon" and has_bf16_units(XEON)
+    assert cpu_model(EPYC_AVX2) == "AMD EPYC" and not has_bf16_units(EPYC_AVX2)
+    assert not has_bf16_units("flags\t\t: avx512f avx512_bf16x\n")  # a flag, not a substring
+    line = machine_line()
+    assert f"{cpu_capability()} kernels" in line and f"torch {torch.__version__}" in line
+    assert ("no bf16 units" in line) != has_bf16_units()
+    assert line.startswith(cpu_model() + ", ") and " cores, " in line

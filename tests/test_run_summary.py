@@ -3,10 +3,12 @@ steps that logged it, never as an earlier step's value again."""
 
 from __future__ import annotations
 
+import json
+
 import lightning as L
 import torch
 
-from loorl.training.callbacks import RunSummary
+from loorl.training.callbacks import RunSummary, resumed_machine
 
 
 class EveryOtherEpoch(L.LightningModule):
@@ -94,3 +96,26 @@ def test_every_memory_figure_of_the_summary_is_in_gib(tmp_path, monkeypatch):
     assert len(memory_lines) == 4, memory_lines  # the peak row, the plan's row, the table's title and header
     for line in memory_lines:
         assert " GB" not in line and (" GiB" in line or line.startswith("| phase |")), line
+
+
+def test_the_machine_is_in_metrics_json_and_a_run_resumed_elsewhere_names_both(tmp_path):
+    """metrics.json keeps the run's facts (a study's records read `machine` from them); a checkpoint
+    keeps the machine, and a run resumed on another one says "A, then B"."""
+    summary = RunSummary(str(tmp_path), facts={"machine": "AMD EPYC, 2 cores, AVX2 kernels"})
+    data = torch.utils.data.DataLoader(torch.ones(1, 1), batch_size=1)
+    trainer = L.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        callbacks=[summary])  # fmt: skip
+    trainer.fit(EveryOtherEpoch(), data, data)
+    written = json.loads((tmp_path / "metrics.json").read_text())
+    assert written["facts"]["machine"] == "AMD EPYC, 2 cores, AVX2 kernels"
+    assert "| machine | AMD EPYC, 2 cores, AVX2 kernels |" in (tmp_path / "summary.md").read_text()
+    elsewhere = RunSummary(str(tmp_path / "b"), facts={"machine": "Intel Xeon, 2 cores, AVX512 kernels"})
+    elsewhere.load_state_dict(summary.state_dict())
+    both = "AMD EPYC, 2 cores, AVX2 kernels, then Intel Xeon, 2 cores, AVX512 kernels"
+    assert elsewhere.facts["machine"] == both
+    again = RunSummary(str(tmp_path / "c"), facts={"machine": "Intel Xeon, 2 cores, AVX512 kernels"})
+    again.load_state_dict(elsewhere.state_dict())  # resumed twice on the second machine: named once
+    assert again.facts["machine"] == elsewhere.facts["machine"]
+    assert resumed_machine("A", "A") == "A" and resumed_machine(None, "B") == "not recorded, then B"
+    assert resumed_machine("A", None) == "A"

@@ -223,6 +223,9 @@ def test_the_report_is_written_from_the_runs(quick_study):
         "- grpo: estimator.name: rloo -> grpo\n" in text
     )
     assert "Seeds paired: 2 setting(s) with 8 prompts per step" in text
+    from loorl.util.hardware import machine_line
+
+    assert f"of compute (the runs' wall time; made on {machine_line()})." in text  # each run kept it
     data = json.loads((report / "estimators.json").read_text())
     finals = data["settings"]["rloo"]["final"]
     assert len(finals) == 2 and all(0 <= v <= 1 for v in finals)

@@ -9,10 +9,11 @@ import math
 import numpy as np
 import pytest
 
+from loorl.research.jobs import Job
 from loorl.research.stats import holm, paired_difference
 from loorl.research.study import load_study
 from loorl.research.study_pairing import check_pairing
-from loorl.research.study_report import merge_headlines
+from loorl.research.study_report import made_on, merge_headlines
 
 
 # ---- statistics, by hand -------------------------------------------------------------------------------
@@ -138,3 +139,18 @@ def test_headlines_follow_the_study_files_order_whichever_part_is_reported():
     assert [p.name for p in study.parts] == ["estimators_3"]
     full = load_study("which_estimator")
     assert study.part_titles == tuple(p.title for p in full.parts) and len(study.part_titles) > 1
+
+
+def test_the_report_names_the_machines_the_runs_were_made_on_not_the_one_writing_it():
+    def run(machine):
+        return Job(None, [], 0, {}, {}, {}, {} if machine is None else {"machine": machine})
+
+    writer = "the writer's machine"
+    assert made_on([run("A"), run("A")], writer) == ("made on A", "")
+    made, warning = made_on([run("A"), run("B"), run("B"), run(None)], writer)
+    assert made == "made on B (2 runs); A (1 runs); 1 runs from before runs kept their machine"
+    assert warning.startswith("**The runs were made on 2 machines:**")
+    made, warning = made_on([run("A"), run(None)], writer)  # one known machine: nothing to warn of
+    assert made == "made on A (1 runs); 1 runs from before runs kept their machine" and warning == ""
+    made, warning = made_on([run(None)], writer)
+    assert made == "the runs did not keep their machine; the report was written on the writer's machine"

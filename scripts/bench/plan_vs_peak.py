@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from loorl.util.hardware import machine_line  # the CPU's model, cores, kernels and bf16 units
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples" / "environments"
 GiB = 2**30
@@ -130,16 +132,6 @@ def gpu_plans(target: Path) -> None:
 EARLIER = "AMD EPYC, 2 cores, bf16 units (2026-11-29)"  # where the cases cases.json recorded first ran
 
 
-def machine() -> str:
-    """This machine's CPU in a few words (what a case's peak was measured on): its model name, cores and
-    whether it has bf16 units (the recipes' compute dtype follows them)."""
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
-    name = next((x.split(":", 1)[1].strip() for x in info.splitlines() if x.startswith("model name")), "CPU")
-    name = " ".join(w for w in name.replace("(R)", "").replace("(TM)", "").split() if w != "Processor")
-    bf16 = any(flag in info for flag in ("avx512_bf16", "amx_bf16"))
-    return f"{name}, {os.cpu_count()} cores, {'bf16 units' if bf16 else 'no bf16 units'}"
-
-
 def case_env() -> dict[str, str]:
     """The environment a case runs (and is planned) in: the recipes' own environments
     (experiment=tiny_sum_calculator's) importable, as their docs say."""
@@ -157,7 +149,7 @@ def run_case(name: str, overrides: list[str], out: Path) -> None:
     print(f"[{name}] {' '.join(command[1:])}", flush=True)
     start = time.time()
     run.mkdir(parents=True, exist_ok=True)
-    (run / "machine.txt").write_text(f"{machine()} ({time.strftime('%Y-%m-%d')})\n")
+    (run / "machine.txt").write_text(f"{machine_line()} ({time.strftime('%Y-%m-%d')})\n")
     env = case_env()
     with open(run / "plan_vs_peak.log", "w") as log:
         done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)

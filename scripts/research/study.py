@@ -23,7 +23,6 @@ adds seeds and settings to it, without the run folders.
 from __future__ import annotations
 
 import argparse
-import platform
 import shlex
 import sys
 import time
@@ -37,6 +36,7 @@ from loorl.research.study import load_study, study_names  # noqa: E402
 from loorl.research.study_configs import check_part  # noqa: E402
 from loorl.research.study_report import write_study_report  # noqa: E402
 from loorl.research.study_runs import run_probe, run_training  # noqa: E402
+from loorl.util.hardware import machine_line  # noqa: E402
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -72,18 +72,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def machine() -> str:
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-        platform.processor() or platform.machine(),
-    ) if Path("/proc/cpuinfo").exists() else platform.machine()  # fmt: skip
-    import os
-
-    import torch
-
-    return f"{cpu}, {len(os.sched_getaffinity(0))} cores, torch {torch.__version__}"
-
-
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     try:
@@ -116,7 +104,7 @@ def main(argv: list[str]) -> int:
         if part.kind == "train"
     }
     command = shlex.join(["python", "scripts/research/study.py", *argv])
-    write_study_report(study, out, report_dir, per_step, command=command, machine=machine())
+    write_study_report(study, out, report_dir, per_step, command=command, machine=machine_line())
     minutes = (time.perf_counter() - started) / 60
     print(f"report written to {report_dir}/ ({minutes:.1f} min)")
     if failed:

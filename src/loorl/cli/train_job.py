@@ -28,7 +28,7 @@ from loorl.parallel.launch import configure_threads, lightning_launched_processe
 from loorl.training.graceful_stop import GracefulStop, requeue_slurm_job, slurm_job_id
 from loorl.training.resume import Resume, resolve_resume
 from loorl.util.allocator import keep_freed_memory, keeps_freed_memory
-from loorl.util.hardware import cuda_available, set_float32_matmul_precision
+from loorl.util.hardware import cuda_available, machine_line, set_float32_matmul_precision
 from loorl.util.peak_memory import reset_peak_memory
 
 log = logging.getLogger("loorl.cli.train")  # the run's log lines keep the name they always had
@@ -129,6 +129,7 @@ def run_facts(s, task, planned) -> dict[str, str]:
     isolation of a code task), random weights, the memory plan's verdict."""
     facts = task.run_facts()  # e.g. the sandbox isolation of a code task: said once, and in summary.md
     facts |= random_weights_facts(s.model)  # a random-weights run can never pass for a trained one
+    facts["machine"] = machine_line()  # what the numbers and the wall time were made on
     if planned is not None:
         facts["memory plan"] = verdict_line(planned).removeprefix("memory plan: ")
     for name, line in facts.items():

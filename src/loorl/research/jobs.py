@@ -27,6 +27,7 @@ class Job:
     summary: dict
     history: dict[str, list[tuple[int, float]]]
     config: dict
+    facts: dict[str, str] = field(default_factory=dict)  # summary.md's stated lines (`machine`: what ran it)
 
     def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
         """(steps, values) of a metric's history."""
@@ -90,7 +91,8 @@ def read_jobs(sweep_dirs: list[Path]) -> tuple[list[Job], list[Path]]:
             config = yaml.safe_load(config_file.read_text()) if config_file.is_file() else {}
             seed = next((int(o.split("=", 1)[1]) for o in overrides if _key(o) in SEED_KEYS), 0)
             history = {k: [tuple(p) for p in v] for k, v in data["history"].items()}
-            jobs.append(Job(folder, overrides, seed, data["summary"], history, config or {}))
+            facts = data.get("facts", {})  # runs from before metrics.json kept them have none
+            jobs.append(Job(folder, overrides, seed, data["summary"], history, config or {}, facts))
     return jobs, unfinished
 
 

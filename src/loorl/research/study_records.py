@@ -2,10 +2,11 @@
 extended, where the run folders are gone (a fresh clone, another machine, a later session).
 
 A record is `<report_dir>/runs/<config digest>/seed<i>.json.gz`: what the report reads from a run
-folder (the overrides it was given, its resolved config, and `metrics.json`: the summary and every
-metric's history), and nothing else (no weights, no logs). It is gzipped JSON with a fixed timestamp, so
-the same run gives the same bytes. A finished run with a record is never run again; a report takes each
-(setting, seed) from its run folder where that run is finished, else from its record.
+folder (the overrides it was given, its resolved config, and `metrics.json`: the summary, every
+metric's history and the stated facts, the machine among them), and nothing else (no weights, no
+logs). It is gzipped JSON with a fixed timestamp, so the same run gives the same bytes. A finished run
+with a record is never run again; a report takes each (setting, seed) from its run folder where that
+run is finished, else from its record.
 """
 
 from __future__ import annotations
@@ -26,11 +27,10 @@ def record_bytes(folder: Path) -> bytes:
     """The record of the finished run in `folder`, read as every report reads a run folder
     (`loorl.research.jobs.read_jobs`), as the bytes a record file holds."""
     run = read_run(folder)
-    record = {
-        "overrides": run.overrides,
-        "config": run.config,
-        "metrics": {"summary": run.summary, "history": run.history},  # metrics.json's two keys
-    }
+    metrics = {"summary": run.summary, "history": run.history}  # metrics.json's keys
+    if run.facts:  # a run from before metrics.json kept its facts gives the bytes it gave then
+        metrics["facts"] = run.facts
+    record = {"overrides": run.overrides, "config": run.config, "metrics": metrics}
     text = json.dumps(record, sort_keys=True, separators=(",", ":"))
     return gzip.compress(text.encode(), compresslevel=9, mtime=0)  # mtime=0: the same run, the same bytes
 
@@ -53,7 +53,8 @@ def read_record(path: Path, seed: int) -> Job | None:
     record = json.loads(gzip.decompress(path.read_bytes()))
     metrics = record["metrics"]
     history = {k: [tuple(p) for p in v] for k, v in metrics["history"].items()}
-    return Job(path, record["overrides"], seed, metrics["summary"], history, record["config"])
+    facts = metrics.get("facts", {})  # records from before runs kept their facts have none
+    return Job(path, record["overrides"], seed, metrics["summary"], history, record["config"], facts)
 
 
 def read_run(folder: Path) -> Job | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -163,10 +164,12 @@ def write_study_report(
             continue
         wall = sum(float(j.summary.get("wall_seconds", 0)) for v in jobs.values() for j in v.values())
         samples = {label: b_and_n[1] for label, b_and_n in per_step[part.name].items()}
+        made, mixed = made_on([j for v in jobs.values() for j in v.values()], machine)
         text = [
             f"Command: `{only}`: {runs} runs of {len(part.settings) * len(part.seeds)}, {wall / 60:.0f} min "
-            f"of compute (the runs' wall time; {machine}).",
+            f"of compute (the runs' wall time; {made}).",
             "",
+            *([mixed, ""] if mixed else []),
         ]
         if part.plan:
             first = part.settings[0].label
@@ -214,6 +217,29 @@ def write_study_report(
         path = report_dir / "headline.md"
         existing = path.read_text() if path.exists() else ""
         path.write_text(merge_headlines(existing, headlines, study.part_titles))
+
+
+def made_on(runs: list[Job], writer: str) -> tuple[str, str]:
+    """Where a part's runs were made, from the `machine` each run kept (`loorl.util.hardware.machine_line`),
+    and a warning line where they were made on more than one (else ""). `writer`: the machine writing
+    the report, named only where no run kept its own (runs from before they did)."""
+    machines = Counter(j.facts.get("machine") for j in runs)
+    unknown = machines.pop(None, 0)
+    if not machines:
+        return f"the runs did not keep their machine; the report was written on {writer}", ""
+    if len(machines) == 1 and not unknown:
+        return f"made on {next(iter(machines))}", ""
+    named = [f"{name} ({n} runs)" for name, n in sorted(machines.items(), key=lambda m: (-m[1], m[0]))]
+    if unknown:
+        named.append(f"{unknown} runs from before runs kept their machine")
+    warning = (
+        f"**The runs were made on {len(machines)} machines:** a setting's wall time, and a paired difference "
+        "whose seeds ran on different kernels, mix them (the same seed draws other samples on AVX2 and "
+        "AVX-512 kernels)."
+        if len(machines) > 1
+        else ""
+    )
+    return "made on " + "; ".join(named), warning
 
 
 def merge_headlines(existing: str, blocks: dict[str, list[str]], order: tuple[str, ...] = ()) -> str:

@@ -74,6 +74,16 @@ def logged_this_epoch(trainer) -> dict:
     return trainer._logger_connector.metrics["callback"]
 
 
+def resumed_machine(before: str | None, now: str | None) -> str:
+    """The `machine` fact of a run resumed from a checkpoint: the one it started on, and the one it
+    resumed on where that is another ("A, then B": a run from before runs kept their machine is
+    "not recorded, then B")."""
+    before = before or "not recorded"
+    if now is None or now == before or before.endswith(f", then {now}"):
+        return before
+    return f"{before}, then {now}"
+
+
 class RunSummary(L.Callback):
     """Collects per-step metrics and, at the end of `fit`, writes `summary.md`, `metrics.json` and
     `learning_curve.png` into `output_dir` and prints the summary.
@@ -95,12 +105,15 @@ class RunSummary(L.Callback):
         self.written: dict[str, float] | None = None  # the summary on_fit_end wrote
 
     # in every checkpoint: a resumed run's summary, plot and wall time cover the whole run
+    # the machine too: a run resumed elsewhere says so (its numbers and wall time are both machines')
     def state_dict(self) -> dict:
-        return {"history": self.history, "elapsed": time.perf_counter() - self.started}
+        state = {"history": self.history, "elapsed": time.perf_counter() - self.started}
+        return state | ({"machine": self.facts["machine"]} if "machine" in self.facts else {})
 
     def load_state_dict(self, state: dict) -> None:
         self.history = {k: [tuple(p) for p in v] for k, v in state["history"].items()}
         self.started = time.perf_counter() - state["elapsed"]
+        self.facts["machine"] = resumed_machine(state.get("machine"), self.facts.get("machine"))
 
     def _record(self, key: str, step: int, value) -> None:
         self.history.setdefault(key, []).append((step, float(value)))
@@ -202,7 +215,7 @@ class RunSummary(L.Callback):
         self.summary_text = self.markdown(s)
         (self.output_dir / "summary.md").write_text(self.summary_text)
         (self.output_dir / "metrics.json").write_text(
-            json.dumps({"summary": s, "history": self.history}, indent=1, default=float)
+            json.dumps({"summary": s, "history": self.history, "facts": self.facts}, indent=1, default=float)
         )
         plot_learning_curve(self.history, self.output_dir / "learning_curve.png", title=self.title)
         print("\n" + self.summary_text + f"\nwritten to {self.output_dir}/ (summary.md, learning_curve.png)")

@@ -13,8 +13,10 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import platform
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -28,6 +30,42 @@ BF16_SPEEDUP_NEEDED = 1.5  # bf16 must beat float32 by this factor to be chosen 
 def cpu_capability() -> str:
     """The vector extension torch's CPU kernels run with (`ATEN_CPU_CAPABILITY` lowers it)."""
     return str(torch.backends.cpu.get_cpu_capability())
+
+
+def cpu_model(cpuinfo: str | None = None) -> str:
+    """The CPU's model name as /proc/cpuinfo gives it, without trademark marks (`platform.machine()`
+    where there is no such file)."""
+    if cpuinfo is None:
+        path = Path("/proc/cpuinfo")
+        cpuinfo = path.read_text() if path.is_file() else ""
+    name = next((x.split(":", 1)[1].strip() for x in cpuinfo.splitlines() if x.startswith("model name")), "")
+    words = name.replace("(R)", "").replace("(TM)", "").split()
+    return " ".join(w for w in words if w != "Processor") or platform.machine()
+
+
+def has_bf16_units(cpuinfo: str | None = None) -> bool:
+    """Whether the CPU lists bf16 units (AVX512-BF16 or AMX): with them a bf16 matrix product beats
+    float32; without them oneDNN emulates it (`fast_compute_dtype` times both)."""
+    if cpuinfo is None:
+        path = Path("/proc/cpuinfo")
+        cpuinfo = path.read_text() if path.is_file() else ""
+    flags = set(next((x.split(":", 1)[1].split() for x in cpuinfo.splitlines() if x.startswith("flags")), []))
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def machine_line() -> str:
+    """What a run was computed on, in one line: the CPU's model, the cores this process may use, the
+    vector extension torch's kernels run with and whether there are bf16 units (what decides a run's
+    numbers and speed on the CPU: the same seed on AVX2 and AVX-512 kernels draws other samples), the
+    GPUs where CUDA is available, and torch's version. Kept in every run's summary (`machine`), so a
+    study page names the machines its runs were made on, not the one that wrote the page."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    parts = [cpu_model(), f"{cores} cores", f"{cpu_capability()} kernels",
+             "bf16 units" if has_bf16_units() else "no bf16 units"]  # fmt: skip
+    if cuda_available():
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        parts += [f"{name} x{names.count(name)}" for name in dict.fromkeys(names)]
+    return ", ".join([*parts, f"torch {torch.__version__}"])
 
 
 def fastest_interleaved(
