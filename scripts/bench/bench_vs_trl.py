@@ -50,6 +50,8 @@ import threading
 import time
 from pathlib import Path
 
+from loorl.util.hardware import machine_line  # the CPU, its kernels and bf16 units, the GPUs, torch
+
 ROOT = Path(__file__).resolve().parents[2]
 TRL_REQUIREMENTS = ["trl==1.16.0", "accelerate", "datasets"]
 TRL_MODULES = ["trl", "accelerate", "datasets"]  # what --trl-python must import
@@ -349,20 +351,12 @@ def main() -> None:
                 )
     text = table(rows, steps, args.repeats) + (paired_table(rows) if args.paired_seeds else "")
     text += (
-        f"\nMachine: {machine()}. Command: "
+        f"\nMachine: {machine_line()}. Command: "
         f"`python scripts/bench/bench_vs_trl.py {' '.join(sys.argv[1:])}`. Per-run rows: vs_trl.json.\n"
     )
     (args.out / "vs_trl.md").write_text(text)
     (args.out / "vs_trl.json").write_text(json.dumps(rows, indent=1))
     print("\n" + text + f"\nwritten to {args.out}/vs_trl.md")
-
-
-def machine() -> str:
-    """CPU cores, the GPU where there is one, and torch: what the table was measured on."""
-    import torch
-
-    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
-    return f"{os.cpu_count()} CPU cores{gpu}, torch {torch.__version__}"
 
 
 if __name__ == "__main__":
