@@ -5,6 +5,7 @@ hand are tests/test_study_statistics.py's."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import subprocess
@@ -309,6 +310,30 @@ def test_a_fresh_clone_writes_the_same_report_from_the_records_alone(quick_study
     assert json.loads((clone / "estimators.json").read_text()) == json.loads(
         (report / "estimators.json").read_text()
     )
+
+
+def test_records_made_with_another_config_are_named_before_any_run(quick_study, tmp_path, capsys):
+    """A record of a setting's overrides under another digest (its config resolved elsewhere: bf16 on a
+    CPU with bf16 units, float32 on one without) is named before any run, with the keys that differ:
+    runs here would not add seeds to it. The records this machine resolves to are not named."""
+    out, command, stdout = quick_study
+    assert "recorded with another config" not in stdout
+    record = sorted((out / "report" / "runs").glob("*/seed0.json.gz"))[0]
+    label = json.loads((out / "runs" / "runs" / record.parent.name / "setting.json").read_text())["label"]
+    data = json.loads(gzip.decompress(record.read_bytes()))
+    dtype = data["config"]["model"]["dtype"]
+    data["config"]["model"]["dtype"] = "float16"  # as if resolved on another machine
+    moved = tmp_path / "report" / "runs" / "0123456789" / "seed0.json.gz"
+    moved.parent.mkdir(parents=True)
+    moved.write_bytes(gzip.compress(json.dumps(data).encode()))
+    args = list(command[2:])
+    args[args.index("--report-dir") + 1] = str(tmp_path / "report")
+    assert load_script("research/study.py").main([*args, "--only", "estimators", "--plan"]) == 0
+    said = [line for line in capsys.readouterr().out.splitlines() if "recorded with another config" in line]
+    assert said == [
+        f"[estimators] {label}: recorded with another config than this machine resolves (model.dtype: "
+        f"float16 -> {dtype}): runs here are new runs, not more seeds of the recorded ones"
+    ]
 
 
 def test_the_plan_prints_the_differences_and_bad_arguments_are_one_line(capsys):

@@ -148,9 +148,9 @@ def test_the_report_names_the_machines_the_runs_were_made_on_not_the_one_writing
     writer = "the writer's machine"
     assert made_on([run("A"), run("A")], writer) == ("made on A", "")
     made, warning = made_on([run("A"), run("B"), run("B"), run(None)], writer)
-    assert made == "made on B (2 runs); A (1 runs); 1 runs from before runs kept their machine"
+    assert made == "made on B (2 runs); A (1 run); 1 run from before runs kept their machine"
     assert warning.startswith("**The runs were made on 2 machines:**")
     made, warning = made_on([run("A"), run(None)], writer)  # one known machine: nothing to warn of
-    assert made == "made on A (1 runs); 1 runs from before runs kept their machine" and warning == ""
+    assert made == "made on A (1 run); 1 run from before runs kept their machine" and warning == ""
     made, warning = made_on([run(None)], writer)
     assert made == "the runs did not keep their machine; the report was written on the writer's machine"

@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from loorl.config import ConfigError  # noqa: E402
 from loorl.research.study import load_study, study_names  # noqa: E402
 from loorl.research.study_configs import check_part  # noqa: E402
+from loorl.research.study_records import resolved_elsewhere  # noqa: E402
 from loorl.research.study_report import write_study_report  # noqa: E402
 from loorl.research.study_runs import run_probe, run_training  # noqa: E402
 from loorl.util.hardware import machine_line  # noqa: E402
@@ -87,10 +88,13 @@ def main(argv: list[str]) -> int:
     except ConfigError as error:
         print(f"error: {error}")
         return 2
+    report_dir = (args.report_dir or ROOT / study.report_dir).resolve()  # also the finished runs' records
+    for part in study.parts:  # e.g. bf16 records read on a CPU without bf16 units: said before any run
+        for line in resolved_elsewhere(report_dir, part):
+            print(line)
     if args.plan:
         return 0
     out = (args.out or ROOT / "outputs" / "studies" / args.name).resolve()
-    report_dir = (args.report_dir or ROOT / study.report_dir).resolve()  # also the finished runs' records
     started, failed = time.perf_counter(), []
     if not args.report:
         for part in study.parts:

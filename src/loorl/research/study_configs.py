@@ -19,15 +19,16 @@ RUN_KEYS = ("output_dir", "resume_from")  # where a run writes and how it restar
 def resolved(overrides: list[str], seed: int) -> dict[str, object]:
     """The resolved config of a run, flattened to dotted keys, without RUN_KEYS."""
     cfg = compose_config(*overrides, f"seed={seed}", "output_dir=/study/run")
-    flat = _flatten(OmegaConf.to_container(cfg, resolve=True))
+    flat = flatten(OmegaConf.to_container(cfg, resolve=True))
     return {k: v for k, v in flat.items() if k not in RUN_KEYS}
 
 
-def _flatten(node, prefix: str = "") -> dict[str, object]:
+def flatten(node, prefix: str = "") -> dict[str, object]:
+    """A nested config as dotted keys (an empty mapping stays a value)."""
     if isinstance(node, dict) and node:
         out = {}
         for key, value in node.items():
-            out |= _flatten(value, f"{prefix}{key}.")
+            out |= flatten(value, f"{prefix}{key}.")
         return out
     return {prefix[:-1]: node}
 

@@ -16,7 +16,8 @@ import json
 from pathlib import Path
 
 from loorl.research.jobs import Job, read_jobs
-from loorl.research.study import Setting
+from loorl.research.study import Part, Setting
+from loorl.research.study_configs import LATER_KEYS, PLACE_KEYS, RUN_KEYS, differences, flatten
 
 
 def record_path(report_dir: Path, setting: Setting, seed: int) -> Path:
@@ -61,3 +62,44 @@ def read_run(folder: Path) -> Job | None:
     """The run in a run folder, where it wrote its metrics; None otherwise."""
     jobs = read_jobs([folder])[0]
     return jobs[0] if jobs else None
+
+
+# overrides a run gets from the study tool, not from its setting
+_RUN_OVERRIDES = ("seed=", "resume_from=")
+
+
+def computes(key: str, value: object) -> bool:
+    """Whether a config key's difference changes what a run computes: not where it ran or wrote (its
+    folder, the cache), its seed (a record is one seed) or a key added later at its neutral value."""
+    if key in RUN_KEYS or key in PLACE_KEYS or key == "seed" or key.endswith(".seed"):
+        return False
+    if "/study/run" in str(value):  # the run's folder, as `resolved` composes it
+        return False
+    return not (key in LATER_KEYS and value == LATER_KEYS[key])
+
+
+def resolved_elsewhere(report_dir: Path, part: Part) -> list[str]:
+    """What keeps a part's records from counting here: for each setting with records under another
+    digest than this machine resolves its overrides to (the same `overrides`, another config), the keys
+    that differ, a line per set of differences. A SmolLM2 recipe resolves `model.dtype` to bfloat16 on a
+    CPU with bf16 units and to float32 on one without: run there, the study would start new runs beside
+    the published ones rather than add seeds to them, so the study says so before it runs."""
+    by_overrides: dict[tuple[str, ...], tuple[str, dict]] = {}  # the setting's overrides -> a record
+    for path in sorted((report_dir / "runs").glob("*/seed*.json.gz")):
+        record = json.loads(gzip.decompress(path.read_bytes()))
+        own = tuple(o for o in record["overrides"] if not o.startswith(_RUN_OVERRIDES))
+        by_overrides.setdefault(own, (path.parent.name, record["config"]))
+    lines: dict[str, list[str]] = {}  # the differences -> the settings with them
+    for setting in part.settings:
+        found = by_overrides.get(tuple(setting.overrides))
+        if found is None or found[0] == setting.digest:
+            continue
+        here, there = setting.config, flatten(found[1])
+        moved = {k: ab for k, ab in differences(there, here).items() if computes(k, here.get(k))}
+        text = "; ".join(f"{k}: {a} -> {b}" for k, (a, b) in moved.items()) or "keys added since"
+        lines.setdefault(text, []).append(setting.label)
+    return [
+        f"[{part.name}] {', '.join(labels)}: recorded with another config than this machine resolves "
+        f"({text}): runs here are new runs, not more seeds of the recorded ones"
+        for text, labels in lines.items()
+    ]
