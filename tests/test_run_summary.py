@@ -119,3 +119,6 @@ def test_the_machine_is_in_metrics_json_and_a_run_resumed_elsewhere_names_both(t
     assert again.facts["machine"] == elsewhere.facts["machine"]
     assert resumed_machine("A", "A") == "A" and resumed_machine(None, "B") == "not recorded, then B"
     assert resumed_machine("A", None) == "A"
+    plain = RunSummary(str(tmp_path / "d"))  # no machine on either side: none is made up
+    plain.load_state_dict(RunSummary(str(tmp_path / "e")).state_dict())
+    assert "machine" not in plain.facts

@@ -229,12 +229,13 @@ def made_on(runs: list[Job], writer: str) -> tuple[str, str]:
         return f"the runs did not keep their machine; the report was written on {writer}", ""
     if len(machines) == 1 and not unknown:
         return f"made on {next(iter(machines))}", ""
-    def runs(n: int) -> str:
+
+    def count(n: int) -> str:
         return f"{n} run" + ("s" if n != 1 else "")
 
-    named = [f"{name} ({runs(n)})" for name, n in sorted(machines.items(), key=lambda m: (-m[1], m[0]))]
+    named = [f"{name} ({count(n)})" for name, n in sorted(machines.items(), key=lambda m: (-m[1], m[0]))]
     if unknown:
-        named.append(f"{runs(unknown)} from before runs kept their machine")
+        named.append(f"{count(unknown)} from before runs kept their machine")
     warning = (
         f"**The runs were made on {len(machines)} machines:** a setting's wall time, and a paired difference "
         "whose seeds ran on different kernels, mix them (the same seed draws other samples on AVX2 and "

@@ -113,7 +113,8 @@ class RunSummary(L.Callback):
     def load_state_dict(self, state: dict) -> None:
         self.history = {k: [tuple(p) for p in v] for k, v in state["history"].items()}
         self.started = time.perf_counter() - state["elapsed"]
-        self.facts["machine"] = resumed_machine(state.get("machine"), self.facts.get("machine"))
+        if "machine" in state or "machine" in self.facts:
+            self.facts["machine"] = resumed_machine(state.get("machine"), self.facts.get("machine"))
 
     def _record(self, key: str, step: int, value) -> None:
         self.history.setdefault(key, []).append((step, float(value)))
