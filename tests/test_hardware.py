@@ -181,3 +181,20 @@ def test_the_machine_line_names_the_cpu_its_kernels_and_its_bf16_units():
     assert f"{cpu_capability()} kernels" in line and f"torch {torch.__version__}" in line
     assert ("no bf16 units" in line) != has_bf16_units()
     assert line.startswith(cpu_model() + ", ") and " cores, " in line
+
+
+def test_the_machine_line_names_gpus_only_for_a_run_on_cuda(monkeypatch):
+    """Naming a GPU initialises CUDA: a CPU run on a GPU node must not (`cuda_in_use` stays False), so
+    the GPUs are named only with `on_cuda`, grouped by name."""
+
+    def refuse(*_):
+        raise AssertionError("CUDA touched by a CPU run")
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", refuse)
+    monkeypatch.setattr(torch.cuda, "device_count", refuse)
+    assert "H100" not in machine_line()
+    names = ["NVIDIA H100", "NVIDIA H100", "NVIDIA A10"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(names))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i: names[i])
+    line = machine_line(on_cuda=True)
+    assert line.endswith(f"NVIDIA H100 x2, NVIDIA A10 x1, torch {torch.__version__}")

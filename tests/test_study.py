@@ -20,7 +20,7 @@ from loorl.config import ConfigError
 from loorl.research import study as study_module
 from loorl.research.study import load_study
 from loorl.research.study_configs import LATER_KEYS, check_part, config_digest, differences, resolved
-from loorl.research.study_records import keep_record
+from loorl.research.study_records import keep_record, record_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 STUDY = [sys.executable, str(ROOT / "scripts" / "research" / "study.py")]
@@ -334,6 +334,26 @@ def test_records_made_with_another_config_are_named_before_any_run(quick_study, 
         f"[estimators] {label}: recorded with another config than this machine resolves (model.dtype: "
         f"float16 -> {dtype}): runs here are new runs, not more seeds of the recorded ones"
     ]
+    here = tmp_path / "report" / "runs" / record.parent.name / "seed0.json.gz"  # records of both machines
+    here.parent.mkdir()
+    here.write_bytes(record.read_bytes())
+    assert load_script("research/study.py").main([*args, "--only", "estimators", "--plan"]) == 0
+    assert "recorded with another config" not in capsys.readouterr().out  # this machine's are there too
+
+
+def test_a_run_from_before_runs_kept_their_facts_gives_the_record_it_gave_then(tmp_path):
+    """A record holds `facts` only where the run's metrics.json has them: the records made before (the
+    published ones) keep their bytes when a report writes them again from their run folders."""
+    folder = tmp_path / "seed0"
+    (folder / ".hydra").mkdir(parents=True)
+    (folder / ".hydra" / "overrides.yaml").write_text("- seed=0\n")
+    (folder / "config.yaml").write_text("seed: 0\n")
+    metrics = {"summary": {"rl_steps": 1}, "history": {"val/accuracy": [[0, 0.5]]}}
+    (folder / "metrics.json").write_text(json.dumps(metrics))
+    old = json.loads(gzip.decompress(record_bytes(folder)))
+    assert old["metrics"] == metrics  # the layout before facts: summary and history only
+    (folder / "metrics.json").write_text(json.dumps(metrics | {"facts": {"machine": "AMD EPYC"}}))
+    assert json.loads(gzip.decompress(record_bytes(folder)))["metrics"]["facts"] == {"machine": "AMD EPYC"}
 
 
 def test_the_plan_prints_the_differences_and_bad_arguments_are_one_line(capsys):

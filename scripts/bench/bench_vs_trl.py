@@ -50,7 +50,7 @@ import threading
 import time
 from pathlib import Path
 
-from loorl.util.hardware import machine_line  # the CPU, its kernels and bf16 units, the GPUs, torch
+from loorl.util.hardware import cuda_available, machine_line  # the CPU, kernels, bf16 units, GPUs, torch
 
 ROOT = Path(__file__).resolve().parents[2]
 TRL_REQUIREMENTS = ["trl==1.16.0", "accelerate", "datasets"]
@@ -351,7 +351,7 @@ def main() -> None:
                 )
     text = table(rows, steps, args.repeats) + (paired_table(rows) if args.paired_seeds else "")
     text += (
-        f"\nMachine: {machine_line()}. Command: "
+        f"\nMachine: {machine_line(on_cuda=cuda_available())}. Command: "
         f"`python scripts/bench/bench_vs_trl.py {' '.join(sys.argv[1:])}`. Per-run rows: vs_trl.json.\n"
     )
     (args.out / "vs_trl.md").write_text(text)

@@ -31,9 +31,10 @@ RUNS = {  # name -> overrides of `python src/train.py`
     "server": ["debug=quick", "rollout=vllm_server", "rollout.max_staleness=2", "rl.steps=4", "val_every=4"],
     "dynamic": ["rl.dynamic_sampling.enabled=true"],
 }
-# substrings of keys whose values are timings or memory, never the same twice
+# substrings of keys whose values are timings or memory, never the same twice, or the machine (metrics.json's
+# facts: a checkout from before runs kept it has none)
 TIMING = ("perf/", "seconds", "_s", "time", "wall", "memory", "peak", "rss", "tokens_per_s", "date", "_gb",
-          "_gib", "rise_")  # fmt: skip
+          "_gib", "rise_", "facts")  # fmt: skip
 
 
 def run_all(checkout: Path, out: Path, port: int) -> None:

@@ -126,10 +126,11 @@ def save_config(cfg: DictConfig, output_dir: Path) -> None:
 
 def run_facts(s, task, planned) -> dict[str, str]:
     """What the run states once, in the log and in summary.md: the task's facts (e.g. the sandbox
-    isolation of a code task), random weights, the memory plan's verdict."""
+    isolation of a code task), random weights, the machine (`machine_line`), the memory plan's
+    verdict."""
     facts = task.run_facts()  # e.g. the sandbox isolation of a code task: said once, and in summary.md
     facts |= random_weights_facts(s.model)  # a random-weights run can never pass for a trained one
-    facts["machine"] = machine_line()  # what the numbers and the wall time were made on
+    facts["machine"] = machine_line(on_cuda=s.on_cuda)  # what the numbers and the wall time were made on
     if planned is not None:
         facts["memory plan"] = verdict_line(planned).removeprefix("memory plan: ")
     for name, line in facts.items():

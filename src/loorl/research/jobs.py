@@ -1,8 +1,9 @@
 """Finished runs read back: a Hydra multirun's job folders as `Job`s, grouped into settings.
 
 A job folder (`<sweep>/<n>/`) holds `.hydra/overrides.yaml` (what the job set), `config.yaml` and
-`metrics.json` (`RunSummary`: the summary and every metric's history). Jobs are grouped into
-settings by their overrides, leaving out `seed` and the overrides every job shares.
+`metrics.json` (`RunSummary`: the summary, every metric's history and the run's facts, its machine
+among them). Jobs are grouped into settings by their overrides, leaving out `seed` and the overrides
+every job shares.
 """
 
 from __future__ import annotations

@@ -93,11 +93,15 @@ LATER_KEYS: dict[str, object] = {"loss.zvp_alpha": None}  # RL-ZVP off (issue 81
 PLACE_KEYS: dict[str, str] = {"model.cache_dir": "~/.cache/loorl"}
 
 
-def config_digest(config: dict) -> str:
-    """A short hash of a resolved config without its seed-valued keys and the `LATER_KEYS` at their
-    neutral values, the `PLACE_KEYS` at their defaults: the folder of a setting's runs."""
+def digested(config: dict) -> dict:
+    """What `config_digest` hashes of a resolved (flat) config: without its seed-valued keys and the
+    `LATER_KEYS` at their neutral values, the `PLACE_KEYS` at their defaults."""
     seed = config.get("seed")
     kept = {k: v for k, v in config.items() if not ((k == "seed" or k.endswith(".seed")) and v == seed)}
     kept = {k: v for k, v in kept.items() if not (k in LATER_KEYS and v == LATER_KEYS[k])}
-    kept |= {k: v for k, v in PLACE_KEYS.items() if k in kept}
-    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    return kept | {k: v for k, v in PLACE_KEYS.items() if k in kept}
+
+
+def config_digest(config: dict) -> str:
+    """A short hash of a resolved config's `digested` keys: the folder of a setting's runs."""
+    return hashlib.sha256(json.dumps(digested(config), sort_keys=True, default=str).encode()).hexdigest()[:10]

@@ -15,9 +15,9 @@ import gzip
 import json
 from pathlib import Path
 
-from loorl.research.jobs import Job, read_jobs
+from loorl.research.jobs import SEED_KEYS, Job, _key, read_jobs
 from loorl.research.study import Part, Setting
-from loorl.research.study_configs import LATER_KEYS, PLACE_KEYS, RUN_KEYS, differences, flatten
+from loorl.research.study_configs import PLACE_KEYS, RUN_KEYS, differences, digested, flatten
 
 
 def record_path(report_dir: Path, setting: Setting, seed: int) -> Path:
@@ -64,40 +64,44 @@ def read_run(folder: Path) -> Job | None:
     return jobs[0] if jobs else None
 
 
-# overrides a run gets from the study tool, not from its setting
-_RUN_OVERRIDES = ("seed=", "resume_from=")
+def _own_overrides(overrides: list[str]) -> tuple[str, ...]:
+    """A run's overrides without those that do not change what it computes: its seed, where it runs and
+    restarts (RUN_KEYS) and where it reads its cache (PLACE_KEYS)."""
+    skipped = {*RUN_KEYS, *PLACE_KEYS, *SEED_KEYS}
+    return tuple(o for o in overrides if _key(o) not in skipped)
 
 
-def computes(key: str, value: object) -> bool:
-    """Whether a config key's difference changes what a run computes: not where it ran or wrote (its
-    folder, the cache), its seed (a record is one seed) or a key added later at its neutral value."""
-    if key in RUN_KEYS or key in PLACE_KEYS or key == "seed" or key.endswith(".seed"):
-        return False
-    if "/study/run" in str(value):  # the run's folder, as `resolved` composes it
-        return False
-    return not (key in LATER_KEYS and value == LATER_KEYS[key])
+def _run_path(key: str, value: object) -> bool:
+    """A key whose value is the run's folder (the logger's, the trainer's), as `resolved` composes it."""
+    return "/study/run" in str(value)
 
 
 def resolved_elsewhere(report_dir: Path, part: Part) -> list[str]:
-    """What keeps a part's records from counting here: for each setting with records under another
-    digest than this machine resolves its overrides to (the same `overrides`, another config), the keys
-    that differ, a line per set of differences. A SmolLM2 recipe resolves `model.dtype` to bfloat16 on a
-    CPU with bf16 units and to float32 on one without: run there, the study would start new runs beside
-    the published ones rather than add seeds to them, so the study says so before it runs."""
-    by_overrides: dict[tuple[str, ...], tuple[str, dict]] = {}  # the setting's overrides -> a record
-    for path in sorted((report_dir / "runs").glob("*/seed*.json.gz")):
+    """What keeps a train part's records from counting here: for each setting with records of its
+    overrides under other digests only (another config than this machine resolves), the keys that
+    differ, a line per set of differences. A SmolLM2 recipe resolves `model.dtype` to bfloat16 on a CPU
+    with bf16 units and to float32 on one without: run there, the study would start new runs beside the
+    published ones rather than add seeds to them, so the study says so before it runs."""
+    if part.kind != "train":
+        return []
+    found: dict[tuple[str, ...], dict[str, dict]] = {}  # own overrides -> digest -> a recorded config
+    first = f"seed{part.seeds[0]}.json.gz"  # the seed each setting's config is resolved at, where recorded
+    paths = sorted((report_dir / "runs").glob("*/seed*.json.gz"), key=lambda p: (p.name != first, str(p)))
+    for path in paths:
         record = json.loads(gzip.decompress(path.read_bytes()))
-        own = tuple(o for o in record["overrides"] if not o.startswith(_RUN_OVERRIDES))
-        by_overrides.setdefault(own, (path.parent.name, record["config"]))
+        by_digest = found.setdefault(_own_overrides(record["overrides"]), {})
+        by_digest.setdefault(path.parent.name, record["config"])
     lines: dict[str, list[str]] = {}  # the differences -> the settings with them
     for setting in part.settings:
-        found = by_overrides.get(tuple(setting.overrides))
-        if found is None or found[0] == setting.digest:
+        recorded = found.get(_own_overrides(setting.overrides), {})
+        if not recorded or setting.digest in recorded:
             continue
-        here, there = setting.config, flatten(found[1])
-        moved = {k: ab for k, ab in differences(there, here).items() if computes(k, here.get(k))}
-        text = "; ".join(f"{k}: {a} -> {b}" for k, (a, b) in moved.items()) or "keys added since"
-        lines.setdefault(text, []).append(setting.label)
+        here = digested(setting.config)
+        for config in recorded.values():
+            there = digested({k: v for k, v in flatten(config).items() if k not in RUN_KEYS})
+            moved = [f"{k}: {a} -> {b}" for k, (a, b) in differences(there, here).items()
+                     if not _run_path(k, here.get(k, there.get(k)))]  # fmt: skip
+            lines.setdefault("; ".join(moved) or "no key but the run's folder", []).append(setting.label)
     return [
         f"[{part.name}] {', '.join(labels)}: recorded with another config than this machine resolves "
         f"({text}): runs here are new runs, not more seeds of the recorded ones"

@@ -238,8 +238,8 @@ def made_on(runs: list[Job], writer: str) -> tuple[str, str]:
         named.append(f"{count(unknown)} from before runs kept their machine")
     warning = (
         f"**The runs were made on {len(machines)} machines:** a setting's wall time, and a paired difference "
-        "whose seeds ran on different kernels, mix them (the same seed draws other samples on AVX2 and "
-        "AVX-512 kernels)."
+        "whose seeds ran on different machines, mix them (other kernels, cores or torch versions may "
+        "follow other float sums and draw other samples from the same seed)."
         if len(machines) > 1
         else ""
     )

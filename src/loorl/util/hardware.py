@@ -32,12 +32,15 @@ def cpu_capability() -> str:
     return str(torch.backends.cpu.get_cpu_capability())
 
 
+def _cpuinfo() -> str:
+    path = Path("/proc/cpuinfo")
+    return path.read_text() if path.is_file() else ""
+
+
 def cpu_model(cpuinfo: str | None = None) -> str:
     """The CPU's model name as /proc/cpuinfo gives it, without trademark marks (`platform.machine()`
     where there is no such file)."""
-    if cpuinfo is None:
-        path = Path("/proc/cpuinfo")
-        cpuinfo = path.read_text() if path.is_file() else ""
+    cpuinfo = _cpuinfo() if cpuinfo is None else cpuinfo
     name = next((x.split(":", 1)[1].strip() for x in cpuinfo.splitlines() if x.startswith("model name")), "")
     words = name.replace("(R)", "").replace("(TM)", "").split()
     return " ".join(w for w in words if w != "Processor") or platform.machine()
@@ -46,23 +49,24 @@ def cpu_model(cpuinfo: str | None = None) -> str:
 def has_bf16_units(cpuinfo: str | None = None) -> bool:
     """Whether the CPU lists bf16 units (AVX512-BF16 or AMX): with them a bf16 matrix product beats
     float32; without them oneDNN emulates it (`fast_compute_dtype` times both)."""
-    if cpuinfo is None:
-        path = Path("/proc/cpuinfo")
-        cpuinfo = path.read_text() if path.is_file() else ""
+    cpuinfo = _cpuinfo() if cpuinfo is None else cpuinfo
     flags = set(next((x.split(":", 1)[1].split() for x in cpuinfo.splitlines() if x.startswith("flags")), []))
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
-def machine_line() -> str:
+def machine_line(*, on_cuda: bool = False) -> str:
     """What a run was computed on, in one line: the CPU's model, the cores this process may use, the
     vector extension torch's kernels run with and whether there are bf16 units (what decides a run's
-    numbers and speed on the CPU: the same seed on AVX2 and AVX-512 kernels draws other samples), the
-    GPUs where CUDA is available, and torch's version. Kept in every run's summary (`machine`), so a
-    study page names the machines its runs were made on, not the one that wrote the page."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    parts = [cpu_model(), f"{cores} cores", f"{cpu_capability()} kernels",
+    numbers and speed on the CPU: the same seed follows other float sums on AVX2 and AVX-512 kernels),
+    torch's version, and with `on_cuda` (a run that computes on CUDA: `uses_cuda`) the visible GPUs.
+    Without it CUDA is not touched: naming a GPU initialises CUDA, and a CPU run on a GPU node must
+    stay a CPU run (`cuda_in_use`). Kept in every run's summary (`machine`), so a study page names the
+    machines its runs were made on, not the one that wrote the page."""
+    from loorl.parallel.launch import cpu_set
+
+    parts = [cpu_model(), f"{len(cpu_set())} cores", f"{cpu_capability()} kernels",
              "bf16 units" if has_bf16_units() else "no bf16 units"]  # fmt: skip
-    if cuda_available():
+    if on_cuda:
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         parts += [f"{name} x{names.count(name)}" for name in dict.fromkeys(names)]
     return ", ".join([*parts, f"torch {torch.__version__}"])
