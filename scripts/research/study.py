@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from loorl.config import ConfigError  # noqa: E402
 from loorl.research.study import load_study, study_names  # noqa: E402
 from loorl.research.study_configs import check_part  # noqa: E402
-from loorl.research.study_records import resolved_elsewhere  # noqa: E402
+from loorl.research.study_records import recorded_configs, resolved_elsewhere  # noqa: E402
 from loorl.research.study_report import write_study_report  # noqa: E402
 from loorl.research.study_runs import run_probe, run_training  # noqa: E402
 from loorl.util.hardware import machine_line  # noqa: E402
@@ -89,8 +89,9 @@ def main(argv: list[str]) -> int:
         print(f"error: {error}")
         return 2
     report_dir = (args.report_dir or ROOT / study.report_dir).resolve()  # also the finished runs' records
+    recorded = recorded_configs(report_dir)
     for part in study.parts:  # e.g. bf16 records read on a CPU without bf16 units: said before any run
-        for line in resolved_elsewhere(report_dir, part):
+        for line in resolved_elsewhere(recorded, part):
             print(line)
     if args.plan:
         return 0

@@ -71,7 +71,8 @@ class Setting:
     jobs: list[Job] = field(default_factory=list)
 
 
-def _key(override: str) -> str:
+def override_key(override: str) -> str:
+    """The dotted key an override sets (`+a.b=1`, `~a.b` and `a.b=1` all set `a.b`)."""
     return override.split("=", 1)[0].lstrip("+~")
 
 
@@ -90,7 +91,7 @@ def read_jobs(sweep_dirs: list[Path]) -> tuple[list[Job], list[Path]]:
             data = json.loads(metrics.read_text())
             config_file = folder / "config.yaml"
             config = yaml.safe_load(config_file.read_text()) if config_file.is_file() else {}
-            seed = next((int(o.split("=", 1)[1]) for o in overrides if _key(o) in SEED_KEYS), 0)
+            seed = next((int(o.split("=", 1)[1]) for o in overrides if override_key(o) in SEED_KEYS), 0)
             history = {k: [tuple(p) for p in v] for k, v in data["history"].items()}
             facts = data.get("facts", {})  # runs from before metrics.json kept them have none
             jobs.append(Job(folder, overrides, seed, data["summary"], history, config or {}, facts))
@@ -109,9 +110,14 @@ def group_settings(jobs: list[Job]) -> list[Setting]:
     shared = set.intersection(*(set(j.overrides) for j in jobs)) if jobs else set()
     ignored = SEED_KEYS + COSMETIC_KEYS
     settings: dict[tuple, Setting] = {}
-    varying_keys = {_key(o) for j in jobs for o in j.overrides if o not in shared and _key(o) not in ignored}
+    varying_keys = {
+        override_key(o)
+        for j in jobs
+        for o in j.overrides
+        if o not in shared and override_key(o) not in ignored
+    }
     for job in jobs:
-        own = tuple(o for o in job.overrides if o not in shared and _key(o) not in ignored)
+        own = tuple(o for o in job.overrides if o not in shared and override_key(o) not in ignored)
         if own not in settings:
             parts = [o.split("=", 1)[1] if len(varying_keys) == 1 else o.lstrip("+") for o in own]
             settings[own] = Setting(", ".join(parts) or ("(no override)" if varying_keys else "(all runs)"))

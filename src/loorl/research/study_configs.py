@@ -14,11 +14,12 @@ from loorl.config import ConfigError, compose_config
 from loorl.research.study import Part
 
 RUN_KEYS = ("output_dir", "resume_from")  # where a run writes and how it restarts: not what it computes
+RUN_FOLDER = "/study/run"  # the output_dir every setting is resolved with (keys under it name no setting)
 
 
 def resolved(overrides: list[str], seed: int) -> dict[str, object]:
     """The resolved config of a run, flattened to dotted keys, without RUN_KEYS."""
-    cfg = compose_config(*overrides, f"seed={seed}", "output_dir=/study/run")
+    cfg = compose_config(*overrides, f"seed={seed}", f"output_dir={RUN_FOLDER}")
     flat = flatten(OmegaConf.to_container(cfg, resolve=True))
     return {k: v for k, v in flat.items() if k not in RUN_KEYS}
 

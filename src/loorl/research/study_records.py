@@ -15,9 +15,9 @@ import gzip
 import json
 from pathlib import Path
 
-from loorl.research.jobs import SEED_KEYS, Job, _key, read_jobs
+from loorl.research.jobs import SEED_KEYS, Job, override_key, read_jobs
 from loorl.research.study import Part, Setting
-from loorl.research.study_configs import PLACE_KEYS, RUN_KEYS, differences, digested, flatten
+from loorl.research.study_configs import PLACE_KEYS, RUN_FOLDER, RUN_KEYS, differences, digested, flatten
 
 
 def record_path(report_dir: Path, setting: Setting, seed: int) -> Path:
@@ -68,36 +68,45 @@ def _own_overrides(overrides: list[str]) -> tuple[str, ...]:
     """A run's overrides without those that do not change what it computes: its seed, where it runs and
     restarts (RUN_KEYS) and where it reads its cache (PLACE_KEYS)."""
     skipped = {*RUN_KEYS, *PLACE_KEYS, *SEED_KEYS}
-    return tuple(o for o in overrides if _key(o) not in skipped)
+    return tuple(o for o in overrides if override_key(o) not in skipped)
 
 
 def _run_path(key: str, value: object) -> bool:
     """A key whose value is the run's folder (the logger's, the trainer's), as `resolved` composes it."""
-    return "/study/run" in str(value)
+    return RUN_FOLDER in str(value)
 
 
-def resolved_elsewhere(report_dir: Path, part: Part) -> list[str]:
-    """What keeps a train part's records from counting here: for each setting with records of its
-    overrides under other digests only (another config than this machine resolves), the keys that
-    differ, a line per set of differences. A SmolLM2 recipe resolves `model.dtype` to bfloat16 on a CPU
-    with bf16 units and to float32 on one without: run there, the study would start new runs beside the
-    published ones rather than add seeds to them, so the study says so before it runs."""
+Recorded = dict[tuple[str, ...], dict[str, dict[int, dict]]]  # own overrides -> digest -> seed -> config
+
+
+def recorded_configs(report_dir: Path) -> Recorded:
+    """Every record's config under `report_dir/runs`, by its setting's own overrides (`_own_overrides`)
+    and its folder's digest: read once a study, however many parts look into it."""
+    found: Recorded = {}
+    for path in sorted((report_dir / "runs").glob("*/seed*.json.gz")):
+        record = json.loads(gzip.decompress(path.read_bytes()))
+        seed = int(path.name.removeprefix("seed").removesuffix(".json.gz"))
+        by_digest = found.setdefault(_own_overrides(record["overrides"]), {})
+        by_digest.setdefault(path.parent.name, {})[seed] = record["config"]
+    return found
+
+
+def resolved_elsewhere(recorded: Recorded, part: Part) -> list[str]:
+    """What keeps a train part's records (`recorded_configs`) from counting here: for each setting with
+    records of its overrides under other digests only (another config than this machine resolves), the
+    keys that differ, a line per set of differences. A SmolLM2 recipe resolves `model.dtype` to bfloat16
+    on a CPU with bf16 units and to float32 on one without: run there, the study would start new runs
+    beside the published ones rather than add seeds to them, so the study says so before it runs."""
     if part.kind != "train":
         return []
-    found: dict[tuple[str, ...], dict[str, dict]] = {}  # own overrides -> digest -> a recorded config
-    first = f"seed{part.seeds[0]}.json.gz"  # the seed each setting's config is resolved at, where recorded
-    paths = sorted((report_dir / "runs").glob("*/seed*.json.gz"), key=lambda p: (p.name != first, str(p)))
-    for path in paths:
-        record = json.loads(gzip.decompress(path.read_bytes()))
-        by_digest = found.setdefault(_own_overrides(record["overrides"]), {})
-        by_digest.setdefault(path.parent.name, record["config"])
     lines: dict[str, list[str]] = {}  # the differences -> the settings with them
     for setting in part.settings:
-        recorded = found.get(_own_overrides(setting.overrides), {})
-        if not recorded or setting.digest in recorded:
+        by_digest = recorded.get(_own_overrides(setting.overrides), {})
+        if not by_digest or setting.digest in by_digest:
             continue
         here = digested(setting.config)
-        for config in recorded.values():
+        for by_seed in by_digest.values():  # its config at the seed the setting is resolved at, if recorded
+            config = by_seed.get(part.seeds[0], by_seed[min(by_seed)])
             there = digested({k: v for k, v in flatten(config).items() if k not in RUN_KEYS})
             moved = [f"{k}: {a} -> {b}" for k, (a, b) in differences(there, here).items()
                      if not _run_path(k, here.get(k, there.get(k)))]  # fmt: skip

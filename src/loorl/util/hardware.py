@@ -64,8 +64,9 @@ def machine_line(*, on_cuda: bool = False) -> str:
     machines its runs were made on, not the one that wrote the page."""
     from loorl.parallel.launch import cpu_set
 
-    parts = [cpu_model(), f"{len(cpu_set())} cores", f"{cpu_capability()} kernels",
-             "bf16 units" if has_bf16_units() else "no bf16 units"]  # fmt: skip
+    cpuinfo = _cpuinfo()
+    parts = [cpu_model(cpuinfo), f"{len(cpu_set())} cores", f"{cpu_capability()} kernels",
+             "bf16 units" if has_bf16_units(cpuinfo) else "no bf16 units"]  # fmt: skip
     if on_cuda:
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         parts += [f"{name} x{names.count(name)}" for name in dict.fromkeys(names)]
