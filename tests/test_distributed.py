@@ -121,8 +121,9 @@ def test_minibatches_take_whole_groups_from_every_rank(world):
             ),
             marks=pytest.mark.slow,
         ),
-        # packed token-budget micro-batches (the chunked output layer inside FSDP's root forward)
-        ("fsdp", ("rl.microbatch_tokens=64",)),
+        # packed token-budget micro-batches (the chunked output layer inside FSDP's root forward). Slow:
+        # packing's equality with the padded step (tests/test_packing.py) stays in the default suite
+        pytest.param("fsdp", ("rl.microbatch_tokens=64",), marks=pytest.mark.slow),
     ],
     ids=["ddp", "fsdp", "fsdp-offload-checkpointing", "fsdp-packed"],
 )
@@ -136,6 +137,7 @@ def test_two_processes_take_the_single_process_step(tmp_path, model_cache, singl
 GDPO = ("estimator=gdpo", "reward=custom", "reward.clip=null", "kl.in_reward=false", "kl.estimator=k3")
 
 
+@pytest.mark.slow  # two more processes' runs; the rewards' gather (the same collective) is the ddp case's
 def test_two_processes_take_the_single_process_gdpo_step(tmp_path, model_cache):
     single = one_step(tmp_path / "one.pt", model_cache, "auto", 1, *GDPO)
     assert_the_single_process_step(single, one_step(tmp_path / "two.pt", model_cache, "ddp", 2, *GDPO), "ddp")
@@ -254,8 +256,10 @@ def test_cli_two_processes_train_resume_and_export(tmp_path, model_cache, two_pr
 
 
 # tests/test_multinode.py's launcher (two torchrun agents, each pinned to its half of the CPUs with its own
-# copy of the model cache), here beside the one-node run it is compared with
-@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.slow)])
+# copy of the model cache), here beside the one-node run it is compared with. Slow: the default suite's
+# two-process runs go through Lightning's launcher, which sets the same ranks torchrun's agents set
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_torchrun_nodes_train_as_one_node(strategy, tmp_path, model_cache, two_process_run):
     """Two "nodes" of one process each train as one node of two processes does: the same metrics and
     policy; one writer in the shared folder (one config, one log per rank)."""
