@@ -26,7 +26,6 @@ import argparse
 import functools
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
 from loorl.research.ablation import read_jobs  # noqa: E402
+from loorl.util.hardware import cpu_model  # noqa: E402
 
 ORDER = ("default", "avx2", "avx512")  # ATEN_CPU_CAPABILITY values, narrowest first
 FIXED = ["val_pass_k=0", "checkpoint_every=0", "export_policy=false", "trainer.enable_progress_bar=false"]
@@ -54,12 +54,7 @@ def native_capability() -> str:
 
 def cpu_name() -> str:
     """The CPU model and its widest torch capability, e.g. 'AMD EPYC (AVX512)'."""
-    try:
-        lines = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
-        model = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        model = platform.processor() or platform.machine()
-    return f"{model} ({native_capability().upper()})"
+    return f"{cpu_model()} ({native_capability().upper()})"
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
