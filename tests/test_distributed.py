@@ -137,7 +137,7 @@ def test_two_processes_take_the_single_process_step(tmp_path, model_cache, singl
 GDPO = ("estimator=gdpo", "reward=custom", "reward.clip=null", "kl.in_reward=false", "kl.estimator=k3")
 
 
-@pytest.mark.slow  # two more processes' runs; the rewards' gather (the same collective) is the ddp case's
+@pytest.mark.slow  # two more runs: the ddp case gathers the rewards but has no reward parts (reward=task)
 def test_two_processes_take_the_single_process_gdpo_step(tmp_path, model_cache):
     single = one_step(tmp_path / "one.pt", model_cache, "auto", 1, *GDPO)
     assert_the_single_process_step(single, one_step(tmp_path / "two.pt", model_cache, "ddp", 2, *GDPO), "ddp")
@@ -256,8 +256,9 @@ def test_cli_two_processes_train_resume_and_export(tmp_path, model_cache, two_pr
 
 
 # tests/test_multinode.py's launcher (two torchrun agents, each pinned to its half of the CPUs with its own
-# copy of the model cache), here beside the one-node run it is compared with. Slow: the default suite's
-# two-process runs go through Lightning's launcher, which sets the same ranks torchrun's agents set
+# copy of the model cache), here beside the one-node run it is compared with. Slow: the default suite
+# keeps the rank read from torchrun's environment before Lightning loads (RANK=1 beside LOCAL_RANK=0,
+# tests/test_launch.py) and the two-process run through Lightning's launcher
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_torchrun_nodes_train_as_one_node(strategy, tmp_path, model_cache, two_process_run):

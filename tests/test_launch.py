@@ -20,7 +20,7 @@ from loorl.parallel.launch import (
     processes_on_this_node,
     slurm_tasks_on_this_node,
 )
-from loorl.resolvers import on_rank_zero, per_rank
+from loorl.resolvers import RANK_VARIABLES, launch_rank, on_rank_zero, per_rank
 from loorl.training.graceful_stop import GracefulStop, slurm_environment
 from loorl.training.rank_checks import RankFacts, agreement_problem, fitted_threads
 from loorl.util.build_once import build_once
@@ -85,6 +85,26 @@ def test_hydra_outputs_are_written_by_rank_zero_only(monkeypatch):
     assert (on_rank_zero(".hydra"), per_rank("train")) == (".hydra", "train")
     monkeypatch.setattr(rank_zero_only, "rank", 2)
     assert (on_rank_zero(".hydra"), per_rank("train")) == (None, "train_rank2")
+
+
+@pytest.mark.parametrize(
+    "env, rank",
+    [({"RANK": "1", "LOCAL_RANK": "0"}, 1), ({"LOCAL_RANK": "1"}, 1), ({"SLURM_PROCID": "3"}, 3), ({}, 0)],
+    ids=["torchrun-second-node", "lightning-launcher", "srun", "one-process"],
+)
+def test_before_lightning_loads_the_rank_is_read_from_the_launchers_environment(monkeypatch, env, rank):
+    """A run's config resolves before Lightning loads: the rank is the environment's. torchrun's second
+    node of one process each has LOCAL_RANK=0 and RANK=1, and RANK wins: it writes train_rank1.log, not a
+    second train.log over rank 0's (the two-node runs of tests/test_multinode.py, slow)."""
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    monkeypatch.delattr(rank_zero_only, "rank", raising=False)  # as before Lightning's import sets it
+    for key in RANK_VARIABLES:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert launch_rank() == rank
+    assert per_rank("train") == ("train" if rank == 0 else f"train_rank{rank}")
 
 
 # ---- what the ranks agree on -----------------------------------------------------------------------

@@ -7,7 +7,6 @@ The runs are real CLI processes (`python src/train.py`), killed with real signal
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -24,6 +23,7 @@ from fixtures import (
     assert_same_run,
     metric_values,
     needs_vllm,
+    needs_wandb,
     start_and_signal,
 )
 from loorl.cli.train import train
@@ -163,15 +163,17 @@ def test_a_killed_run_with_dynamic_sampling_resumes_to_the_same_run(tmp_path, mo
 
 # ---- SIGTERM or Ctrl-C: checkpoint, summary, then the same command continues ----------------------
 @pytest.mark.parametrize(  # Ctrl-C takes the same path as SIGTERM (one handler): slow, on request
-    "sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)], ids=["SIGTERM", "Ctrl-C"]
+    "sig",
+    [pytest.param(signal.SIGTERM, marks=needs_wandb), pytest.param(signal.SIGINT, marks=pytest.mark.slow)],
+    ids=["SIGTERM", "Ctrl-C"],
 )
 def test_a_stop_signal_writes_a_checkpoint_and_summary_and_the_same_command_continues(
     uninterrupted, tmp_path, model_cache, sig
 ):
-    """The command a preempted job re-submits continues the run: its metrics, and with wandb its wandb
-    run (offline here: two runs' folders of one run id)."""
+    """The command a preempted job re-submits continues the run: its metrics and (SIGTERM's case) its
+    wandb run, offline here: two runs' folders of one run id."""
     run = tmp_path / "run"
-    loggers = "logger=[csv,wandb]" if importlib.util.find_spec("wandb") else "logger=[csv]"
+    loggers = "logger=[csv,wandb]" if sig == signal.SIGTERM else "logger=[csv]"
     command = _command(run, model_cache, "resume_from=auto", loggers)
     stopped = _start_and_signal(command, run / "checkpoints" / "epoch=3-step=4.ckpt", sig)
     assert stopped.returncode == 0

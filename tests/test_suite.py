@@ -15,10 +15,13 @@ def test_every_longest_first_name_is_a_test_file():
     assert len(set(LONGEST_FIRST)) == len(LONGEST_FIRST)
 
 
-def test_the_longest_files_are_collected_first(request):
+def test_the_longest_files_are_collected_first_and_handed_out_in_that_order(request):
     order = list(dict.fromkeys(item.path.name for item in request.session.items))
     ran = [name for name in LONGEST_FIRST if name in order]  # those this session collected
     assert order[: len(ran)] == ran
+    # pytest-xdist's loadfile would otherwise hand the files out by their count of tests, most first
+    if request.config.pluginmanager.hasplugin("xdist") and request.config.getoption("numprocesses"):
+        assert request.config.getoption("loadscopereorder") is False
 
 
 def test_each_worker_takes_its_share_of_the_cores():

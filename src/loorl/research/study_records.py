@@ -84,8 +84,11 @@ def recorded_configs(report_dir: Path) -> Recorded:
     and its folder's digest: read once a study, however many parts look into it."""
     found: Recorded = {}
     for path in sorted((report_dir / "runs").glob("*/seed*.json.gz")):
+        seed = path.name.removeprefix("seed").removesuffix(".json.gz")
+        if not seed.isdigit():  # not a record_path name: another file, left alone
+            continue
         record = json.loads(gzip.decompress(path.read_bytes()))
-        seed = int(path.name.removeprefix("seed").removesuffix(".json.gz"))
+        seed = int(seed)
         by_digest = found.setdefault(_own_overrides(record["overrides"]), {})
         by_digest.setdefault(path.parent.name, {})[seed] = record["config"]
     return found
