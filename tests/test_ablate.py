@@ -243,6 +243,7 @@ def test_the_command_exits_2_with_one_line():
     assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].endswith("or pass --from DIR")
 
 
+@pytest.mark.slow  # the bundles' composition is tests/test_configs.py's; the sweep itself is the one above
 def test_the_kl_ablation_sweeps_its_setting_bundles(model_cache, tmp_path):
     """A sweep over a config group (`+ablation/kl_settings`), run for real: every bundle is a setting,
     and only those with a reference model have a KL."""

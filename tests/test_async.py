@@ -153,6 +153,9 @@ def straight_run(tmp_path_factory, model_cache) -> Path:
     return run
 
 
+# slow: the default suite keeps the sampler process's run resumed to the same values after kill -9
+# (below) and its samples against this process's, one step (tests/test_sampler_process.py)
+@pytest.mark.slow
 def test_the_sampler_process_samples_what_the_training_process_would(tmp_path, model_cache, straight_run):
     """Where the samples are drawn does not change them: the same run with the sampler in the training
     process (`rollout.devices=trainer`, one thread, as the sampler process and the trainer each have)

@@ -18,6 +18,7 @@ def _grid(out: Path, *args: str, timeout: int) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=timeout)  # fmt: skip
 
 
+@pytest.mark.slow  # a research script's grid, two warm starts: on request, beside the whole grid
 def test_each_capability_trains_under_its_own_kernels_and_cache(tmp_path):
     """Two capabilities, a few steps each: the warm start of each ran with that capability's kernels
     (its record says so), in its own cache, and the table has one row per run."""

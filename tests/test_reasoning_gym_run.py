@@ -94,6 +94,9 @@ def test_the_curriculum_raises_a_level_at_the_steps_its_rule_says(straight):
     assert moves > 0  # the rule was exercised, not only its absence
 
 
+# slow: the default suite keeps a curriculum's levels in the checkpoint and restored from it
+# (tests/test_plugins.py's docs curriculum task) and kill -9 resumes (tests/test_resume.py)
+@pytest.mark.slow
 def test_a_killed_run_resumes_to_the_same_run_curriculum_levels_included(straight, tmp_path, model_cache):
     run = tmp_path / "run"
     first = run / "checkpoints" / "epoch=3-step=4.ckpt"
