@@ -71,8 +71,8 @@ def _own_overrides(overrides: list[str]) -> tuple[str, ...]:
     return tuple(o for o in overrides if override_key(o) not in skipped)
 
 
-def _run_path(key: str, value: object) -> bool:
-    """A key whose value is the run's folder (the logger's, the trainer's), as `resolved` composes it."""
+def _run_path(value: object) -> bool:
+    """A value that is the run's folder (the logger's, the trainer's), as `resolved` composes it."""
     return RUN_FOLDER in str(value)
 
 
@@ -112,7 +112,7 @@ def resolved_elsewhere(recorded: Recorded, part: Part) -> list[str]:
             config = by_seed.get(part.seeds[0], by_seed[min(by_seed)])
             there = digested({k: v for k, v in flatten(config).items() if k not in RUN_KEYS})
             moved = [f"{k}: {a} -> {b}" for k, (a, b) in differences(there, here).items()
-                     if not _run_path(k, here.get(k, there.get(k)))]  # fmt: skip
+                     if not _run_path(here.get(k, there.get(k)))]  # fmt: skip
             lines.setdefault("; ".join(moved) or "no key but the run's folder", []).append(setting.label)
     return [
         f"[{part.name}] {', '.join(labels)}: recorded with another config than this machine resolves "
